@@ -1,0 +1,75 @@
+"""Who is calling: operator API keys with roles, and agent tokens that reach only agent endpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+from sqlalchemy.orm import Session
+
+from controlplane.db.models import Agent, ApiKey, utcnow
+from controlplane.errors import Forbidden, Unauthenticated
+from controlplane.secrets import AGENT_TOKEN_PREFIX, API_KEY_PREFIX, parse_credential, secret_matches
+
+Role = Literal["viewer", "editor", "admin"]
+ROLE_RANK: dict[str, int] = {"viewer": 0, "editor": 1, "admin": 2}
+_LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated caller."""
+
+    kind: Literal["key", "agent"]
+    id: str
+    name: str
+    role: str | None = None
+
+    @property
+    def actor(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+
+def authenticate(session: Session, authorization: str | None) -> Principal:
+    """Resolve an `Authorization: Bearer ...` header to a principal, or raise 401 saying what is wrong."""
+    if not authorization:
+        raise Unauthenticated("missing credentials: send 'Authorization: Bearer <api key or agent token>'")
+    scheme, _, raw = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not raw.strip():
+        raise Unauthenticated("unsupported credentials: use 'Authorization: Bearer <api key or agent token>'")
+    cred = parse_credential(raw.strip())
+    if cred is None:
+        raise Unauthenticated("invalid credentials")
+    now = utcnow()
+    if cred.prefix == API_KEY_PREFIX:
+        key = session.get(ApiKey, cred.ident)
+        if key is None or key.revoked_at is not None or not secret_matches(cred.secret, key.key_hash):
+            raise Unauthenticated("invalid or revoked API key")
+        if key.last_used_at is None or now - key.last_used_at > _LAST_USED_RESOLUTION:
+            key.last_used_at = now
+            session.commit()
+        return Principal("key", key.id, key.name, key.role)
+    assert cred.prefix == AGENT_TOKEN_PREFIX
+    agent = session.get(Agent, cred.ident)
+    if agent is None or not secret_matches(cred.secret, agent.token_hash):
+        raise Unauthenticated("invalid agent token")
+    if agent.last_seen is None or now - agent.last_seen > _LAST_USED_RESOLUTION:
+        agent.last_seen = now
+        session.commit()
+    return Principal("agent", agent.id, agent.name)
+
+
+def authorize_role(principal: Principal, role: Role) -> Principal:
+    if principal.kind != "key":
+        raise Forbidden("agent tokens may call only agent endpoints")
+    assert principal.role is not None
+    if ROLE_RANK[principal.role] < ROLE_RANK[role]:
+        raise Forbidden(f"this needs the '{role}' role; key '{principal.name}' has '{principal.role}'")
+    return principal
+
+
+def authorize_agent(principal: Principal) -> Principal:
+    if principal.kind != "agent":
+        raise Forbidden("this endpoint is for agents: use the agent's token")
+    return principal

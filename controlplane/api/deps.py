@@ -1,0 +1,71 @@
+"""Dependencies injected into routes: the database session, settings, the caller, and request headers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from controlplane.api.auth import Principal, authenticate, authorize_agent, authorize_role
+from controlplane.db.repository import Actor
+from controlplane.settings import Settings
+
+_bearer = HTTPBearer(auto_error=False, description="an operator API key or an agent token")
+
+
+def _session(request: Request) -> Iterator[Session]:
+    with request.app.state.sessionmaker() as session:
+        yield session
+
+
+def _settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+SessionDep = Annotated[Session, Depends(_session)]
+SettingsDep = Annotated[Settings, Depends(_settings)]
+
+
+def _principal(
+    request: Request,
+    session: SessionDep,
+    _scheme: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    return authenticate(session, request.headers.get("authorization"))
+
+
+def require_viewer(p: Annotated[Principal, Depends(_principal)]) -> Principal:
+    return authorize_role(p, "viewer")
+
+
+def require_editor(p: Annotated[Principal, Depends(_principal)]) -> Principal:
+    return authorize_role(p, "editor")
+
+
+def require_admin(p: Annotated[Principal, Depends(_principal)]) -> Principal:
+    return authorize_role(p, "admin")
+
+
+def require_agent(p: Annotated[Principal, Depends(_principal)]) -> Principal:
+    return authorize_agent(p)
+
+
+Viewer = Annotated[Principal, Depends(require_viewer)]
+Editor = Annotated[Principal, Depends(require_editor)]
+Admin = Annotated[Principal, Depends(require_admin)]
+AgentCaller = Annotated[Principal, Depends(require_agent)]
+
+IfMatch = Annotated[
+    str | None, Header(alias="If-Match", description="ETag from a GET; a stale one answers 412", max_length=512)
+]
+Reason = Annotated[
+    str | None, Header(alias="X-Spillway-Reason", description="why: recorded in the audit event", max_length=500)
+]
+
+
+def actor_of(principal: Principal, reason: str | None) -> Actor:
+    return Actor(principal.actor, reason or "")

@@ -1,0 +1,50 @@
+"""One place that turns every failure into JSON `{"error", "message", "details"}` with the right status."""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from controlplane.errors import SpillwayError
+
+log = logging.getLogger("spillway.controlplane")
+
+_CODES = {401: "unauthenticated", 403: "forbidden", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+
+
+def error_response(status: int, code: str, message: str, details: Any = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": code, "message": message, "details": details}, status_code=status, headers=headers)
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "body"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(SpillwayError)
+    async def _domain(_: Request, exc: SpillwayError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+        return error_response(exc.status_code, exc.code, exc.message, exc.details, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        details = [{"field": _field(err["loc"]), "message": err["msg"]} for err in exc.errors()]
+        first = details[0] if details else {"field": "body", "message": "invalid"}
+        more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
+        return error_response(422, "validation_error", f"{first['field']}: {first['message']}{more}", details)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _CODES.get(exc.status_code, HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_"))
+        return error_response(exc.status_code, code, str(exc.detail), None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal_error", "internal error; the server log has the details")

@@ -1,0 +1,62 @@
+"""The audit and degradation timeline: read-only, filtered, newest first, cursor-paginated."""
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query
+from sqlalchemy import select
+
+from controlplane.api.deps import SessionDep, Viewer
+from controlplane.api.resources import Cursor, Limit
+from controlplane.db import repository as repo
+from controlplane.db.models import Event
+from controlplane.errors import NotFound, ValidationFailed
+from controlplane.schemas.access import EventRead
+from controlplane.schemas.common import Page
+
+MAX_ID = 2**63 - 1
+router = APIRouter(prefix="/api/v1/events", tags=["events"])
+
+
+@router.get("", response_model=Page[EventRead], summary="List events, newest first")
+def list_events(
+    session: SessionDep,
+    _: Viewer,
+    agent: Annotated[str | None, Query(max_length=64, description="agent id")] = None,
+    rule: Annotated[str | None, Query(max_length=64, description="rule id")] = None,
+    kind: Annotated[str | None, Query(max_length=64, description="event kind; 'slo.*' matches a prefix")] = None,
+    since: Annotated[datetime | None, Query(description="inclusive, ISO 8601 with a zone")] = None,
+    until: Annotated[datetime | None, Query(description="exclusive, ISO 8601 with a zone")] = None,
+    cursor: Cursor = None,
+    limit: Limit = 100,
+) -> Any:
+    query = select(Event).order_by(Event.id.desc()).limit(limit + 1)
+    if agent is not None:
+        query = query.where(Event.agent_id == agent)
+    if rule is not None:
+        query = query.where(Event.rule_id == rule)
+    if kind is not None:
+        query = query.where(Event.kind.startswith(kind[:-1], autoescape=True) if kind.endswith("*") else Event.kind == kind)
+    for name, bound in (("since", since), ("until", until)):
+        if bound is not None and bound.tzinfo is None:
+            raise ValidationFailed.field(name, "needs a time zone, e.g. 2026-11-30T08:00:00Z")
+    if since is not None:
+        query = query.where(Event.ts >= since)
+    if until is not None:
+        query = query.where(Event.ts < until)
+    if cursor is not None:
+        before = repo.decode_cursor(cursor, int)
+        if isinstance(before, bool) or not 0 < before <= MAX_ID:
+            raise ValidationFailed.field("cursor", "not a cursor this API returned; start again without it")
+        query = query.where(Event.id < before)
+    rows = session.scalars(query).all()
+    next_cursor = repo.encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
+    return {"items": rows[:limit], "next_cursor": next_cursor}
+
+
+@router.get("/{event_id}", response_model=EventRead, summary="Read one event")
+def get_event(event_id: Annotated[int, Path(ge=1, le=MAX_ID)], session: SessionDep, _: Viewer) -> Any:
+    row = session.get(Event, event_id)
+    if row is None:
+        raise NotFound(f"no event with id {event_id}")
+    return row

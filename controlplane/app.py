@@ -1,0 +1,121 @@
+"""The control plane's FastAPI application: built by `create_app(settings)`, resources opened in its lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from sqlalchemy import text
+
+from controlplane import __version__
+from controlplane.api import access as access_routes
+from controlplane.api import events, status
+from controlplane.api.deps import Viewer
+from controlplane.api.errors import install_error_handlers
+from controlplane.api.limits import BodyLimit
+from controlplane.api.resources import resource_router
+from controlplane.api.deps import require_admin, require_editor, require_viewer
+from controlplane.db.migrate import migrate_to
+from controlplane.db.models import Agent, Backend, Rule, Slo, utcnow
+from controlplane.db.repository import ResourceKind
+from controlplane.db.session import make_engine, make_sessionmaker
+from controlplane.schemas.access import AgentCreate, AgentPatch, AgentRead
+from controlplane.schemas.backends import BackendCreate, BackendPatch, BackendRead
+from controlplane.schemas.rules import RuleCreate, RulePatch, RuleRead
+from controlplane.schemas.slos import SloCreate, SloPatch, SloRead
+from controlplane.settings import Settings
+
+log = logging.getLogger("spillway.controlplane")
+_MIGRATION_LOCK = 0x5370_696C  # "Spil": one replica migrates at a time on PostgreSQL
+
+
+def agent_reader(stale_after_s: float) -> Any:
+    stale_after = timedelta(seconds=stale_after_s)
+    fields = [f for f in AgentRead.model_fields if f != "status"]
+
+    def read(row: Agent) -> AgentRead:
+        if row.last_seen is None:
+            state = "never_seen"
+        else:
+            state = "stale" if utcnow() - row.last_seen > stale_after else "healthy"
+        return AgentRead.model_validate({**{f: getattr(row, f) for f in fields}, "status": state})
+
+    return read
+
+
+def _api_router(settings: Settings) -> APIRouter:
+    api = APIRouter()
+    kinds = [
+        (ResourceKind("slo", Slo, SloCreate, SloRead.model_validate), "slos", SloRead, SloPatch, require_editor, True),
+        (ResourceKind("rule", Rule, RuleCreate, RuleRead.model_validate), "rules", RuleRead, RulePatch, require_editor, True),
+        (
+            ResourceKind("backend", Backend, BackendCreate, BackendRead.model_validate, frozenset({"auth_header"})),
+            "backends", BackendRead, BackendPatch, require_editor, True,
+        ),
+    ]
+    agent_kind = ResourceKind("agent", Agent, AgentCreate, agent_reader(settings.stale_after_s))
+    kinds.append((agent_kind, "agents", AgentRead, AgentPatch, require_admin, False))
+    api.include_router(access_routes.agent_enrolment_router(agent_kind))
+    for kind, plural, read_model, patch_model, writer, with_create in kinds:
+        api.include_router(
+            resource_router(kind, plural=plural, read_model=read_model, patch_model=patch_model, reader=require_viewer,
+                            writer=writer, with_create=with_create)
+        )
+    api.include_router(access_routes.keys_router)
+    api.include_router(events.router)
+    api.include_router(status.router)
+    return api
+
+
+def migrate_locked(engine: Any, url: str) -> None:
+    """Run migrations to head; on PostgreSQL under an advisory lock so that replicas starting together take turns."""
+    if engine.dialect.name != "postgresql":
+        migrate_to(url)
+        return
+    with engine.connect() as conn:
+        conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _MIGRATION_LOCK})
+        try:
+            migrate_to(url)
+        finally:
+            conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _MIGRATION_LOCK})
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = make_engine(settings.database_url)
+        if settings.migrate_on_start:
+            migrate_locked(engine, settings.database_url)
+        app.state.engine = engine
+        app.state.sessionmaker = make_sessionmaker(engine)
+        try:
+            yield
+        finally:
+            engine.dispose()
+
+    app = FastAPI(
+        title="Spillway control plane",
+        version=__version__,
+        description="REST policy API: SLOs, degradation rules, cloud backends, agents, API keys and events.",
+        lifespan=lifespan,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.include_router(status.probes)
+    app.include_router(_api_router(settings))
+
+    @app.get("/api/v1/openapi.json", include_in_schema=False)
+    def openapi(_: Viewer) -> dict[str, Any]:
+        return app.openapi()
+
+    return app

@@ -1,0 +1,142 @@
+"""The control plane's tables as a typed SQLAlchemy 2.0 ORM; the schema itself changes only through Alembic."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Index, Integer, String, Text, TypeDecorator
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC timestamp on every backend (SQLite drops the zone; this puts it back)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime stored; use timezone-aware UTC")
+        return value.astimezone(timezone.utc)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+# Events use an integer id that only grows; SQLite needs INTEGER PRIMARY KEY to autoincrement.
+EventId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSONType, list[Any]: JSONType}
+
+
+class Versioned:
+    """Rows that operators edit carry a version: the ETag that `If-Match` checks."""
+
+    version: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Agent(Versioned, Base):
+    __tablename__ = "agents"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    device_class: Mapped[str] = mapped_column(String(32))
+    token_hash: Mapped[str] = mapped_column(String(64))
+    last_seen: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    role: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(64))
+    version: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(default=None)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class Slo(Versioned, Base):
+    __tablename__ = "slos"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    description: Mapped[str] = mapped_column(Text, default="")
+    selector: Mapped[dict[str, Any]] = mapped_column()
+    sli_kind: Mapped[str] = mapped_column(String(16))
+    threshold_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    objective: Mapped[float] = mapped_column(Float)
+    window: Mapped[int] = mapped_column(Integer)  # seconds
+    alert_windows: Mapped[list[Any]] = mapped_column(default=list)
+
+
+class Rule(Versioned, Base):
+    __tablename__ = "rules"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    description: Mapped[str] = mapped_column(Text, default="")
+    selector: Mapped[dict[str, Any]] = mapped_column()
+    condition: Mapped[dict[str, Any]] = mapped_column()
+    action: Mapped[dict[str, Any]] = mapped_column()
+    hysteresis: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    dry_run: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Backend(Versioned, Base):
+    __tablename__ = "backends"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    url: Mapped[str] = mapped_column(String(2048))
+    models: Mapped[list[Any]] = mapped_column(default=list)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    max_concurrency: Mapped[int] = mapped_column(Integer, default=64)
+    timeout_ms: Mapped[int] = mapped_column(Integer, default=10_000)
+    binary_tensors: Mapped[bool] = mapped_column(Boolean, default=True)
+    # Sent to the backend as `Authorization`; write-only through the API, never returned or logged.
+    auth_header: Mapped[str | None] = mapped_column(Text, default=None)
+
+    @property
+    def auth_header_set(self) -> bool:
+        return bool(self.auth_header)
+
+
+class Event(Base):
+    __tablename__ = "events"
+    __table_args__ = (
+        Index("ix_events_kind_id", "kind", "id"),
+        Index("ix_events_agent_id_id", "agent_id", "id"),
+        Index("ix_events_ts", "ts"),
+    )
+
+    id: Mapped[int] = mapped_column(EventId, primary_key=True, autoincrement=True)
+    ts: Mapped[datetime] = mapped_column(default=utcnow)
+    kind: Mapped[str] = mapped_column(String(64))
+    actor: Mapped[str] = mapped_column(String(160))
+    subject_type: Mapped[str] = mapped_column(String(32))
+    subject_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    agent_id: Mapped[str | None] = mapped_column(String(16), default=None)
+    rule_id: Mapped[str | None] = mapped_column(String(16), default=None)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    data: Mapped[dict[str, Any]] = mapped_column(default=dict)

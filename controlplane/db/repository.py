@@ -1,0 +1,258 @@
+"""Reads and writes of operator-edited resources: optimistic concurrency, unique names, cursors and audit events.
+
+Every change writes an event in the same transaction, so the audit trail and the data never disagree.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, SecretStr, ValidationError
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from controlplane.db.models import Base, Event, utcnow
+from controlplane.errors import DuplicateName, NotFound, PreconditionFailed, ValidationFailed
+from controlplane.secrets import new_ident
+
+Row = TypeVar("Row", bound=Base)
+
+
+@dataclass(frozen=True)
+class Actor:
+    """Who made a change and why: written into every event."""
+
+    name: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ResourceKind(Generic[Row]):
+    """How one operator-edited resource maps between its schemas and its table."""
+
+    singular: str
+    table: type[Row]
+    create: type[BaseModel]
+    read: Callable[[Row], BaseModel]
+    write_only: frozenset[str] = field(default_factory=frozenset)
+
+    def values(self, body: BaseModel) -> dict[str, Any]:
+        """Column values from a validated body; write-only fields the body left out are kept as stored."""
+        data = body.model_dump()
+        for name in self.write_only:
+            if name not in body.model_fields_set:
+                data.pop(name, None)
+            elif isinstance(data[name], SecretStr):
+                data[name] = data[name].get_secret_value()
+        return data
+
+
+# ---- ETags -----------------------------------------------------------------------------------
+
+
+def etag(row: Any) -> str:
+    return f'"{row.id}-{row.version}"'
+
+
+def check_if_match(if_match: str | None, row: Any) -> None:
+    """`If-Match` absent or `*` passes; otherwise one of its tags must be the row's current one."""
+    if if_match is None or if_match.strip() == "*":
+        return
+    tags = {t.strip().removeprefix("W/") for t in if_match.split(",")}
+    if etag(row) not in tags:
+        raise PreconditionFailed(
+            f"{type(row).__name__.lower()} '{row.id}' changed since you read it (now {etag(row)}); "
+            "GET it again and reapply your change",
+            details={"current_etag": etag(row)},
+        )
+
+
+# ---- cursors ---------------------------------------------------------------------------------
+
+
+def encode_cursor(value: Any) -> str:
+    return base64.urlsafe_b64encode(json.dumps(value).encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str, kind: type) -> Any:
+    try:
+        value = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        value = None
+    if not isinstance(value, kind):
+        raise ValidationFailed.field("cursor", "not a cursor this API returned; start again without it")
+    return value
+
+
+# ---- events ----------------------------------------------------------------------------------
+
+
+def record_event(
+    session: Session,
+    *,
+    kind: str,
+    actor: Actor,
+    subject_type: str,
+    subject_id: str | None = None,
+    agent_id: str | None = None,
+    rule_id: str | None = None,
+    data: dict[str, Any] | None = None,
+) -> Event:
+    event = Event(
+        kind=kind,
+        actor=actor.name,
+        subject_type=subject_type,
+        subject_id=subject_id,
+        agent_id=agent_id,
+        rule_id=rule_id,
+        reason=actor.reason,
+        data=data or {},
+        ts=utcnow(),
+    )
+    session.add(event)
+    return event
+
+
+def _event_links(kind: ResourceKind[Any], row: Any) -> dict[str, str]:
+    if kind.singular == "agent":
+        return {"agent_id": row.id}
+    if kind.singular == "rule":
+        return {"rule_id": row.id}
+    return {}
+
+
+def _changes(kind: ResourceKind[Any], before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    changed = {}
+    for key, new in after.items():
+        old = before.get(key)
+        if old != new:
+            hidden = key in kind.write_only
+            changed[key] = {"from": "(secret)" if hidden else old, "to": "(secret)" if hidden else new}
+    return changed
+
+
+# ---- versioned resources ---------------------------------------------------------------------
+
+
+def get_row(session: Session, kind: ResourceKind[Row], ident: str) -> Row:
+    row = session.get(kind.table, ident)
+    if row is None:
+        raise NotFound(f"no {kind.singular} with id '{ident}'")
+    return row
+
+
+def list_rows(
+    session: Session, kind: ResourceKind[Row], *, cursor: str | None, limit: int
+) -> tuple[Sequence[Row], str | None]:
+    """A page ordered by name; the cursor is the last name of the previous page."""
+    name_col = kind.table.name  # type: ignore[attr-defined]
+    query = select(kind.table).order_by(name_col).limit(limit + 1)
+    if cursor is not None:
+        query = query.where(name_col > decode_cursor(cursor, str))
+    rows = session.scalars(query).all()
+    if len(rows) > limit:
+        return rows[:limit], encode_cursor(rows[limit - 1].name)  # type: ignore[attr-defined]
+    return rows, None
+
+
+def _ensure_unique_name(session: Session, kind: ResourceKind[Any], name: str, ident: str | None) -> None:
+    clash = session.scalar(select(kind.table.id).where(kind.table.name == name))  # type: ignore[attr-defined]
+    if clash is not None and clash != ident:
+        raise DuplicateName(
+            f"a {kind.singular} named '{name}' already exists",
+            details=[{"field": "name", "message": f"'{name}' is taken by {kind.singular} '{clash}'"}],
+        )
+
+
+def _flush(session: Session, kind: ResourceKind[Any], name: str) -> None:
+    try:
+        session.flush()
+    except IntegrityError as exc:  # a concurrent create won the race for the name
+        session.rollback()
+        raise DuplicateName(
+            f"a {kind.singular} named '{name}' already exists",
+            details=[{"field": "name", "message": "taken"}],
+        ) from exc
+
+
+def create_row(
+    session: Session, kind: ResourceKind[Row], body: BaseModel, actor: Actor, ident: str | None = None, **extra: Any
+) -> Row:
+    values = kind.values(body)
+    _ensure_unique_name(session, kind, values["name"], None)
+    row = kind.table(id=ident or new_ident(), version=1, **values, **extra)
+    session.add(row)
+    _flush(session, kind, values["name"])
+    shown = kind.read(row).model_dump(mode="json")
+    record_event(
+        session, kind=f"{kind.singular}.created", actor=actor, subject_type=kind.singular, subject_id=row.id,
+        data={"name": values["name"], "spec": shown}, **_event_links(kind, row),
+    )  # fmt: skip
+    return row
+
+
+def replace_row(
+    session: Session, kind: ResourceKind[Row], ident: str, body: BaseModel, if_match: str | None, actor: Actor
+) -> Row:
+    row = get_row(session, kind, ident)
+    check_if_match(if_match, row)
+    values = kind.values(body)
+    _ensure_unique_name(session, kind, values["name"], ident)
+    before = {key: getattr(row, key) for key in values}
+    for key, value in values.items():
+        setattr(row, key, value)
+    row.version += 1  # type: ignore[attr-defined]
+    row.updated_at = utcnow()  # type: ignore[attr-defined]
+    _flush(session, kind, values["name"])
+    record_event(
+        session, kind=f"{kind.singular}.updated", actor=actor, subject_type=kind.singular, subject_id=row.id,  # type: ignore[attr-defined]
+        data={"name": values["name"], "changes": _changes(kind, before, values)}, **_event_links(kind, row),
+    )  # fmt: skip
+    return row
+
+
+def patch_row(
+    session: Session, kind: ResourceKind[Row], ident: str, patch: BaseModel, if_match: str | None, actor: Actor
+) -> Row:
+    """Apply the fields the patch sets on top of the stored resource, then validate the whole as a create."""
+    row = get_row(session, kind, ident)
+    check_if_match(if_match, row)
+    current = kind.read(row).model_dump(include=set(kind.create.model_fields), by_alias=True)
+    changes = patch.model_dump(exclude_unset=True, by_alias=True)
+    for name in kind.write_only:
+        if name in changes and isinstance(changes[name], SecretStr):
+            changes[name] = changes[name].get_secret_value()
+    body = _validate_as(kind.create, {**current, **changes})
+    return replace_row(session, kind, ident, body, None, actor)
+
+
+def _validate_as(model: type[BaseModel], data: dict[str, Any]) -> BaseModel:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ValidationFailed(
+            "the resource would be invalid after this change",
+            details=[{"field": ".".join(str(p) for p in err["loc"]) or "body", "message": err["msg"]} for err in exc.errors()],
+        ) from exc
+
+
+def delete_row(session: Session, kind: ResourceKind[Row], ident: str, if_match: str | None, actor: Actor) -> None:
+    row = get_row(session, kind, ident)
+    check_if_match(if_match, row)
+    name = row.name  # type: ignore[attr-defined]
+    session.delete(row)
+    record_event(
+        session, kind=f"{kind.singular}.deleted", actor=actor, subject_type=kind.singular, subject_id=ident,
+        data={"name": name}, **_event_links(kind, row),
+    )  # fmt: skip
+    session.flush()
+
+
+def count(session: Session, table: type[Base], *where: Any) -> int:
+    return int(session.scalar(select(func.count()).select_from(table).where(*where)) or 0)

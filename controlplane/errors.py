@@ -1,0 +1,77 @@
+"""Domain errors of the control plane, each mapped to one HTTP status and a stable error code.
+
+    SpillwayError
+    ├── NotFound              404 not_found
+    ├── ValidationFailed      422 validation_error
+    │   └── DuplicateName     422 duplicate_name
+    ├── Conflict              409 conflict
+    ├── PreconditionFailed    412 precondition_failed
+    ├── PreconditionRequired  428 precondition_required
+    ├── Unauthenticated       401 unauthenticated
+    ├── Forbidden             403 forbidden
+    └── PayloadTooLarge       413 payload_too_large
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SpillwayError(Exception):
+    """Base of every error the API answers with `{"error", "message", "details"}`."""
+
+    status_code = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, details: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class NotFound(SpillwayError):
+    status_code = 404
+    code = "not_found"
+
+
+class ValidationFailed(SpillwayError):
+    status_code = 422
+    code = "validation_error"
+
+    @classmethod
+    def field(cls, field: str, message: str) -> ValidationFailed:
+        return cls(f"{field}: {message}", details=[{"field": field, "message": message}])
+
+
+class DuplicateName(ValidationFailed):
+    code = "duplicate_name"
+
+
+class Conflict(SpillwayError):
+    status_code = 409
+    code = "conflict"
+
+
+class PreconditionFailed(SpillwayError):
+    status_code = 412
+    code = "precondition_failed"
+
+
+class PreconditionRequired(SpillwayError):
+    status_code = 428
+    code = "precondition_required"
+
+
+class Unauthenticated(SpillwayError):
+    status_code = 401
+    code = "unauthenticated"
+
+
+class Forbidden(SpillwayError):
+    status_code = 403
+    code = "forbidden"
+
+
+class PayloadTooLarge(SpillwayError):
+    status_code = 413
+    code = "payload_too_large"

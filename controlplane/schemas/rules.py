@@ -1,0 +1,140 @@
+"""Degradation rule schemas: selector + condition + action + hysteresis, each kind with its own parameters."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from controlplane.schemas.common import Duration, Name, PositiveDuration, Selector, Stored, Strict, partial
+
+# ---- conditions -------------------------------------------------------------------------------
+
+
+class BurnRateCondition(Strict):
+    """An SLO burns its error budget faster than `threshold` over both windows."""
+
+    kind: Literal["burn_rate"]
+    slo: Name = Field(description="name of the SLO whose burn rate is watched")
+    long_window: PositiveDuration = 3600
+    short_window: PositiveDuration = 300
+    threshold: float = Field(gt=0, le=1e6)
+
+    @model_validator(mode="after")
+    def _short_inside_long(self) -> BurnRateCondition:
+        if self.short_window >= self.long_window:
+            raise ValueError("short_window must be shorter than long_window")
+        return self
+
+
+class LatencyCondition(Strict):
+    """A latency quantile over a window exceeds a threshold."""
+
+    kind: Literal["latency"]
+    quantile: float = Field(gt=0, lt=1, description="e.g. 0.99 for p99")
+    threshold_ms: float = Field(gt=0, le=3_600_000)
+    window: PositiveDuration = 300
+    min_requests: int = Field(default=20, ge=0, description="no firing on fewer requests than this")
+
+
+class ErrorRatioCondition(Strict):
+    """The share of requests with a bad outcome over a window exceeds a threshold."""
+
+    kind: Literal["error_ratio"]
+    threshold: float = Field(gt=0, le=1)
+    window: PositiveDuration = 300
+    min_requests: int = Field(default=20, ge=0)
+
+
+GaugeMetric = Literal["queue_depth", "gpu_memory_free_bytes", "gpu_memory_free_ratio", "gpu_temperature_c", "gpu_utilization"]
+
+
+class GaugeCondition(Strict):
+    """A device gauge crosses a threshold."""
+
+    kind: Literal["gauge"]
+    metric: GaugeMetric
+    op: Literal[">", ">=", "<", "<="]
+    threshold: float = Field(ge=-1e12, le=1e12)
+
+
+class StaleCondition(Strict):
+    """The agent has not reported for `after` (default: the control plane's stale timeout)."""
+
+    kind: Literal["stale"]
+    after: PositiveDuration | None = None
+
+
+Condition = Annotated[
+    BurnRateCondition | LatencyCondition | ErrorRatioCondition | GaugeCondition | StaleCondition,
+    Field(discriminator="kind"),
+]
+
+# ---- actions, mildest first -------------------------------------------------------------------
+
+
+class TuneBatchingAction(Strict):
+    kind: Literal["tune_batching"]
+    max_queue_delay_us: int | None = Field(default=None, ge=0, le=10_000_000)
+    preferred_batch_sizes: list[Annotated[int, Field(gt=0, le=65536)]] | None = Field(default=None, max_length=16)
+
+    @model_validator(mode="after")
+    def _something_to_tune(self) -> TuneBatchingAction:
+        if self.max_queue_delay_us is None and not self.preferred_batch_sizes:
+            raise ValueError("tune_batching needs max_queue_delay_us or preferred_batch_sizes")
+        return self
+
+
+class SwitchVariantAction(Strict):
+    kind: Literal["switch_variant"]
+    version: int = Field(ge=1, description="the model version to serve instead, e.g. the lite one")
+
+
+class ShedAction(Strict):
+    kind: Literal["shed"]
+    priority_at_or_below: int = Field(ge=1, le=64, description="refuse this priority level and every lower one")
+    retry_after_s: int = Field(default=5, ge=1, le=3600)
+
+
+class FallbackAction(Strict):
+    kind: Literal["fallback"]
+    priority_at_or_below: int = Field(ge=1, le=64)
+    mode: Literal["cache", "default", "async"] = "cache"
+    default_output: dict[str, Any] | None = Field(default=None, description="V2 outputs served when mode=default")
+
+    @model_validator(mode="after")
+    def _default_given(self) -> FallbackAction:
+        if self.mode == "default" and self.default_output is None:
+            raise ValueError("fallback mode 'default' needs default_output")
+        return self
+
+
+Action = Annotated[
+    TuneBatchingAction | SwitchVariantAction | ShedAction | FallbackAction,
+    Field(discriminator="kind"),
+]
+ACTION_LADDER = ("tune_batching", "switch_variant", "shed", "fallback")
+"""Actions from mildest to harshest: the order in which several rules on one agent compose."""
+
+
+class Hysteresis(Strict):
+    for_: Duration = Field(default=0, alias="for", description="the condition holds this long before firing")
+    recover_after: Duration = Field(default=0, description="clear this long before reverting")
+
+
+class RuleCreate(Strict):
+    name: Name
+    description: str = Field(default="", max_length=2000)
+    selector: Selector = Field(default_factory=Selector)
+    condition: Condition
+    action: Action
+    hysteresis: Hysteresis = Field(default_factory=Hysteresis)
+    enabled: bool = True
+    dry_run: bool = False
+
+
+RulePatch = partial(RuleCreate)
+
+
+class RuleRead(RuleCreate, Stored):
+    pass

@@ -1,0 +1,46 @@
+"""The control plane's settings: one validated `Settings` per process, read from `SPILLWAY_*` variables."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every knob of the control plane; nonsense is refused at start with the variable's name."""
+
+    model_config = SettingsConfigDict(env_prefix="SPILLWAY_", extra="ignore")
+
+    env: Literal["development", "production"] = Field(
+        default="development", description="`production` refuses unsafe defaults (e.g. binding beyond loopback without TLS)."
+    )
+    database_url: str = Field(default="sqlite:///./spillway.db", description="SQLAlchemy URL: SQLite file or PostgreSQL.")
+    host: str = Field(default="127.0.0.1", description="Address the control plane listens on.")
+    port: int = Field(default=8400, ge=1, le=65535, description="Port the control plane listens on.")
+    migrate_on_start: bool = Field(default=True, description="Run Alembic migrations to head when `serve` starts.")
+    max_body_bytes: int = Field(default=1 << 20, gt=0, description="Largest request body the REST API accepts.")
+    stale_after_s: float = Field(default=15.0, gt=0, description="An agent not seen for this long is `stale`.")
+    tls_certfile: str | None = Field(default=None, description="PEM certificate: set with the key file to serve HTTPS.")
+    tls_keyfile: str | None = Field(default=None, description="PEM private key for `tls_certfile`.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if not value.startswith(("sqlite", "postgresql")):
+            raise ValueError("SPILLWAY_DATABASE_URL must be a sqlite:// or postgresql:// URL")
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("SPILLWAY_TLS_CERTFILE and SPILLWAY_TLS_KEYFILE must be set together")
+        loopback = self.host in ("127.0.0.1", "localhost", "::1")
+        if self.env == "production" and not loopback and self.tls_certfile is None:
+            raise ValueError(
+                "SPILLWAY_HOST is beyond loopback in production without TLS: "
+                "set SPILLWAY_TLS_CERTFILE/SPILLWAY_TLS_KEYFILE or terminate TLS in front and bind to loopback"
+            )
+        return self

@@ -1,0 +1,123 @@
+"""Fixtures: a real database (SQLite file, or PostgreSQL when reachable), the real app, and keys of each role."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from controlplane.access import issue_api_key
+from controlplane.app import create_app
+from controlplane.db import make_engine, make_sessionmaker, migrate_to, normalise_url, transaction
+from controlplane.db.repository import Actor
+from controlplane.settings import Settings
+
+PG_ENV = "SPILLWAY_TEST_POSTGRES_URL"
+
+
+def _postgres_admin_url() -> str | None:
+    url = os.environ.get(PG_ENV)
+    if not url:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but {PG_ENV} is not set: .ci/run must start PostgreSQL")
+        return None
+    return normalise_url(url)
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> str:
+    url = _postgres_admin_url()
+    if url is None:
+        pytest.skip(f"no PostgreSQL: set {PG_ENV} (e.g. from .ci/postgres.sh) to run the PostgreSQL tests")
+    try:
+        engine = create_engine(url)
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        engine.dispose()
+    except Exception as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but PostgreSQL at {PG_ENV} is unreachable: {exc}")
+        pytest.skip(f"PostgreSQL at {PG_ENV} is unreachable: {exc}")
+    return url
+
+
+@pytest.fixture
+def postgres_url(postgres_admin_url: str) -> Iterator[str]:
+    """A fresh, empty database for one test, dropped afterwards."""
+    name = f"spillway_t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(postgres_admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(postgres_admin_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'spillway.db'}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """Both backends: tests that take this run on SQLite and on PostgreSQL."""
+    return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+@dataclass
+class Api:
+    """A test client plus one key per role, and helpers to call as each."""
+
+    client: TestClient
+    url: str
+    keys: dict[str, str]
+
+    def headers(self, role: str = "admin", **extra: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[role]}", **extra}
+
+    def call(self, method: str, path: str, role: str = "admin", **kw: object) -> httpx.Response:
+        headers = {**self.headers(role), **kw.pop("headers", {})}  # type: ignore[dict-item]
+        return self.client.request(method, path, headers=headers, **kw)  # type: ignore[arg-type]
+
+
+def make_keys(url: str) -> dict[str, str]:
+    migrate_to(url)
+    engine = make_engine(url)
+    try:
+        with transaction(make_sessionmaker(engine)) as session:
+            return {
+                role: issue_api_key(session, f"test-{role}", role, Actor("test"))[1]
+                for role in ("viewer", "editor", "admin")
+            }
+    finally:
+        engine.dispose()
+
+
+def open_api(url: str, **settings: object) -> Iterator[Api]:
+    keys = make_keys(url)
+    app = create_app(Settings(database_url=url, **settings))  # type: ignore[arg-type]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield Api(client, url, keys)
+
+
+@pytest.fixture
+def api(db_url: str) -> Iterator[Api]:
+    """The real app on SQLite and on PostgreSQL."""
+    yield from open_api(db_url)
+
+
+@pytest.fixture
+def sqlite_api(sqlite_url: str) -> Iterator[Api]:
+    """The real app on SQLite only, for tests whose subject is not the database."""
+    yield from open_api(sqlite_url)

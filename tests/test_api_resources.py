@@ -1,0 +1,146 @@
+"""CRUD of SLOs, rules, backends and agents through the REST API, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import Api
+from tests.utils.builders import BUILDERS, make_backend, make_rule, make_slo
+
+RESOURCES = ["slos", "rules", "backends", "agents"]
+
+
+def _create(api: Api, plural: str, **over: object) -> dict:
+    response = api.call("POST", f"/api/v1/{plural}", json=BUILDERS[plural](**over))
+    assert response.status_code == 201, response.text
+    body = response.json()
+    return body["agent"] if plural == "agents" else body
+
+
+@pytest.mark.parametrize("plural", RESOURCES)
+def test_lifecycle_with_etags_and_audit(api: Api, plural: str) -> None:
+    created = _create(api, plural)
+    ident = created["id"]
+    got = api.call("GET", f"/api/v1/{plural}/{ident}")
+    assert got.status_code == 200
+    assert got.json() == created
+    etag = got.headers["etag"]
+
+    renamed = api.call("PATCH", f"/api/v1/{plural}/{ident}", json={"name": f"renamed-{ident}"},
+                       headers={"If-Match": etag})
+    assert renamed.status_code == 200, renamed.text
+    assert renamed.json()["name"] == f"renamed-{ident}"
+    assert renamed.json()["version"] == created["version"] + 1
+    assert renamed.headers["etag"] != etag
+
+    # The old ETag is stale now: neither PUT, PATCH nor DELETE may overwrite the newer version.
+    full = BUILDERS[plural](name="overwrite")
+    assert api.call("PUT", f"/api/v1/{plural}/{ident}", json=full, headers={"If-Match": etag}).status_code == 412
+    stale_patch = api.call("PATCH", f"/api/v1/{plural}/{ident}", json={"name": "x"}, headers={"If-Match": etag})
+    assert stale_patch.status_code == 412
+    assert stale_patch.json()["error"] == "precondition_failed"
+    assert api.call("DELETE", f"/api/v1/{plural}/{ident}", headers={"If-Match": etag}).status_code == 412
+
+    put = api.call("PUT", f"/api/v1/{plural}/{ident}", json=full, headers={"If-Match": renamed.headers["etag"]})
+    assert put.status_code == 200, put.text
+    assert put.json()["name"] == "overwrite"
+
+    listed = api.call("GET", f"/api/v1/{plural}", role="viewer").json()
+    assert [item["id"] for item in listed["items"]] == [ident]
+
+    assert api.call("DELETE", f"/api/v1/{plural}/{ident}", headers={"If-Match": put.headers["etag"]}).status_code == 204
+    missing = api.call("GET", f"/api/v1/{plural}/{ident}")
+    assert missing.status_code == 404
+    assert missing.json()["error"] == "not_found"
+
+    singular = plural.removesuffix("s")
+    kinds = [e["kind"] for e in api.call("GET", "/api/v1/events", params={"kind": f"{singular}.*"}).json()["items"]]
+    assert kinds == [f"{singular}.deleted", f"{singular}.updated", f"{singular}.updated", f"{singular}.created"]
+
+
+@pytest.mark.parametrize("plural", RESOURCES)
+def test_unknown_ids_are_404_for_every_verb(sqlite_api: Api, plural: str) -> None:
+    body = BUILDERS[plural]()
+    for method, kw in (("GET", {}), ("PUT", {"json": body}), ("PATCH", {"json": {"name": "n"}}), ("DELETE", {})):
+        response = sqlite_api.call(method, f"/api/v1/{plural}/nope", **kw)
+        assert response.status_code == 404, (method, response.text)
+        assert response.json()["message"] == f"no {plural.removesuffix('s')} with id 'nope'"
+
+
+def test_cursor_pagination_walks_every_item_once(api: Api) -> None:
+    names = sorted(f"slo-page-{i:02d}" for i in range(7))
+    for name in reversed(names):
+        _create(api, "slos", name=name)
+    seen: list[str] = []
+    cursor = None
+    for _ in range(10):
+        params = {"limit": 3, **({"cursor": cursor} if cursor else {})}
+        page = api.call("GET", "/api/v1/slos", params=params).json()
+        seen += [item["name"] for item in page["items"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == names
+
+
+def test_bad_cursor_is_a_clear_422(sqlite_api: Api) -> None:
+    response = sqlite_api.call("GET", "/api/v1/slos", params={"cursor": "!!!"})
+    assert response.status_code == 422
+    assert response.json()["details"][0]["field"] == "cursor"
+
+
+def test_patch_keeps_unset_fields_and_validates_the_result(sqlite_api: Api) -> None:
+    slo = _create(sqlite_api, "slos", threshold_ms=80, objective=99.0, window="7d")
+    patched = sqlite_api.call("PATCH", f"/api/v1/slos/{slo['id']}", json={"objective": 99.9}).json()
+    assert (patched["threshold_ms"], patched["objective"], patched["window"]) == (80, 99.9, "7d")
+    # Switching to availability while a latency threshold is still set makes the whole SLO invalid.
+    broken = sqlite_api.call("PATCH", f"/api/v1/slos/{slo['id']}", json={"sli_kind": "availability"})
+    assert broken.status_code == 422
+    assert "threshold_ms" in broken.text
+    fixed = sqlite_api.call("PATCH", f"/api/v1/slos/{slo['id']}", json={"sli_kind": "availability", "threshold_ms": None})
+    assert fixed.status_code == 200, fixed.text
+    assert fixed.json()["threshold_ms"] is None
+
+
+def test_backend_auth_header_is_write_only(api: Api) -> None:
+    created = api.call("POST", "/api/v1/backends", json=make_backend(auth_header="Bearer top-secret-1"))
+    assert created.status_code == 201
+    assert "top-secret-1" not in created.text
+    assert created.json()["auth_header_set"] is True
+    ident = created.json()["id"]
+    # A PUT that leaves the secret out keeps it (clients cannot read it back to resend it).
+    body = make_backend(name="renamed")
+    body.pop("auth_header")
+    kept = api.call("PUT", f"/api/v1/backends/{ident}", json=body)
+    assert kept.json()["auth_header_set"] is True
+    cleared = api.call("PATCH", f"/api/v1/backends/{ident}", json={"auth_header": None})
+    assert cleared.json()["auth_header_set"] is False
+    api.call("PATCH", f"/api/v1/backends/{ident}", json={"auth_header": "Bearer top-secret-2"})
+    everything = " ".join(
+        api.call("GET", path).text
+        for path in ("/api/v1/backends", f"/api/v1/backends/{ident}", "/api/v1/events?limit=500")
+    )
+    assert "top-secret" not in everything
+    assert "(secret)" in everything  # the audit says that it changed, not what to
+
+
+def test_rule_and_slo_round_trip_durations_and_selectors(sqlite_api: Api) -> None:
+    rule = sqlite_api.call("POST", "/api/v1/rules", json=make_rule(
+        selector={"labels": "site=berlin, tier=edge"},
+        hysteresis={"for": 90, "recover_after": "10m"},
+        action={"kind": "tune_batching", "max_queue_delay_us": 500, "preferred_batch_sizes": [8, 16]},
+    ))
+    assert rule.status_code == 201, rule.text
+    body = rule.json()
+    assert body["selector"]["labels"] == {"site": "berlin", "tier": "edge"}
+    assert body["hysteresis"] == {"for": "90s", "recover_after": "10m"}
+    slo = sqlite_api.call("POST", "/api/v1/slos", json=make_slo(window=86400 * 28)).json()
+    assert slo["window"] == "28d"
+    assert slo["alert_windows"][0] == {"long": "1h", "short": "5m", "burn_rate": 14.4, "severity": "page"}
+
+
+def test_reason_header_and_actor_reach_the_audit_event(sqlite_api: Api) -> None:
+    sqlite_api.call("POST", "/api/v1/slos", role="editor", json=make_slo(name="audited"),
+                    headers={"X-Spillway-Reason": "ticket OPS-42"})
+    event = sqlite_api.call("GET", "/api/v1/events", params={"kind": "slo.created"}).json()["items"][0]
+    assert (event["actor"], event["reason"], event["data"]["name"]) == ("key:test-editor", "ticket OPS-42", "audited")
