@@ -21,13 +21,21 @@ from controlplane.secrets import (
 def issue_api_key(session: Session, name: str, role: str, actor: Actor) -> tuple[ApiKey, str]:
     """Create a key; returns the row and the only copy of the bearer key."""
     if session.scalar(select(ApiKey.id).where(ApiKey.name == name)) is not None:
-        raise DuplicateName(f"an API key named '{name}' already exists", details=[{"field": "name", "message": "taken"}])
+        raise DuplicateName(
+            f"an API key named '{name}' already exists", details=[{"field": "name", "message": "taken"}]
+        )
     ident, secret = new_ident(), new_secret()
     key = ApiKey(id=ident, name=name, role=role, key_hash=hash_secret(secret), version=1, created_at=utcnow())
     session.add(key)
     session.flush()
-    record_event(session, kind="api_key.created", actor=actor, subject_type="api_key", subject_id=ident,
-                 data={"name": name, "role": role})
+    record_event(
+        session,
+        kind="api_key.created",
+        actor=actor,
+        subject_type="api_key",
+        subject_id=ident,
+        data={"name": name, "role": role},
+    )
     return key, format_credential(API_KEY_PREFIX, ident, secret)
 
 
@@ -52,7 +60,9 @@ def change_api_key(
     changes = {}
     if name is not None and name != key.name:
         if session.scalar(select(ApiKey.id).where(ApiKey.name == name)) is not None:
-            raise DuplicateName(f"an API key named '{name}' already exists", details=[{"field": "name", "message": "taken"}])
+            raise DuplicateName(
+                f"an API key named '{name}' already exists", details=[{"field": "name", "message": "taken"}]
+            )
         changes["name"] = {"from": key.name, "to": name}
         key.name = name
     if role is not None and role != key.role:
@@ -62,8 +72,14 @@ def change_api_key(
         key.role = role
     if changes:
         key.version += 1
-        record_event(session, kind="api_key.updated", actor=actor, subject_type="api_key", subject_id=ident,
-                     data={"name": key.name, "changes": changes})
+        record_event(
+            session,
+            kind="api_key.updated",
+            actor=actor,
+            subject_type="api_key",
+            subject_id=ident,
+            data={"name": key.name, "changes": changes},
+        )
     session.flush()
     return key
 
@@ -77,8 +93,14 @@ def revoke_api_key(session: Session, ident: str, if_match: str | None, actor: Ac
         raise Conflict("this is the last active admin key; create another admin key before revoking it")
     key.revoked_at = utcnow()
     key.version += 1
-    record_event(session, kind="api_key.revoked", actor=actor, subject_type="api_key", subject_id=ident,
-                 data={"name": key.name, "role": key.role})
+    record_event(
+        session,
+        kind="api_key.revoked",
+        actor=actor,
+        subject_type="api_key",
+        subject_id=ident,
+        data={"name": key.name, "role": key.role},
+    )
     session.flush()
 
 
@@ -91,7 +113,14 @@ def new_agent_token(agent_id: str) -> tuple[str, str]:
 def rotate_agent_token(session: Session, agent: Agent, actor: Actor) -> str:
     token, digest = new_agent_token(agent.id)
     agent.token_hash = digest
-    record_event(session, kind="agent.token_rotated", actor=actor, subject_type="agent", subject_id=agent.id,
-                 agent_id=agent.id, data={"name": agent.name})
+    record_event(
+        session,
+        kind="agent.token_rotated",
+        actor=actor,
+        subject_type="agent",
+        subject_id=agent.id,
+        agent_id=agent.id,
+        data={"name": agent.name},
+    )
     session.flush()
     return token

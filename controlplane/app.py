@@ -9,22 +9,23 @@ from datetime import timedelta
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
+from pydantic import BaseModel
 from sqlalchemy import text
 
 from controlplane import __version__
 from controlplane.api import access as access_routes
 from controlplane.api import events, status
-from controlplane.api.deps import Viewer
+from controlplane.api.deps import Viewer, require_admin, require_editor, require_viewer
 from controlplane.api.errors import install_error_handlers
 from controlplane.api.limits import BodyLimit
 from controlplane.api.resources import resource_router
-from controlplane.api.deps import require_admin, require_editor, require_viewer
-from controlplane.db.migrate import migrate_to
+from controlplane.db.migrate import head_revision, migrate_to
 from controlplane.db.models import Agent, Backend, Rule, Slo, utcnow
 from controlplane.db.repository import ResourceKind
 from controlplane.db.session import make_engine, make_sessionmaker
 from controlplane.schemas.access import AgentCreate, AgentPatch, AgentRead
 from controlplane.schemas.backends import BackendCreate, BackendPatch, BackendRead
+from controlplane.schemas.common import ERROR_RESPONSES
 from controlplane.schemas.rules import RuleCreate, RulePatch, RuleRead
 from controlplane.schemas.slos import SloCreate, SloPatch, SloRead
 from controlplane.settings import Settings
@@ -48,13 +49,24 @@ def agent_reader(stale_after_s: float) -> Any:
 
 
 def _api_router(settings: Settings) -> APIRouter:
-    api = APIRouter()
-    kinds = [
+    api = APIRouter(responses=ERROR_RESPONSES)
+    kinds: list[tuple[ResourceKind[Any], str, type[BaseModel], type[BaseModel], Any, bool]] = [
         (ResourceKind("slo", Slo, SloCreate, SloRead.model_validate), "slos", SloRead, SloPatch, require_editor, True),
-        (ResourceKind("rule", Rule, RuleCreate, RuleRead.model_validate), "rules", RuleRead, RulePatch, require_editor, True),
+        (
+            ResourceKind("rule", Rule, RuleCreate, RuleRead.model_validate),
+            "rules",
+            RuleRead,
+            RulePatch,
+            require_editor,
+            True,
+        ),
         (
             ResourceKind("backend", Backend, BackendCreate, BackendRead.model_validate, frozenset({"auth_header"})),
-            "backends", BackendRead, BackendPatch, require_editor, True,
+            "backends",
+            BackendRead,
+            BackendPatch,
+            require_editor,
+            True,
         ),
     ]
     agent_kind = ResourceKind("agent", Agent, AgentCreate, agent_reader(settings.stale_after_s))
@@ -62,8 +74,15 @@ def _api_router(settings: Settings) -> APIRouter:
     api.include_router(access_routes.agent_enrolment_router(agent_kind))
     for kind, plural, read_model, patch_model, writer, with_create in kinds:
         api.include_router(
-            resource_router(kind, plural=plural, read_model=read_model, patch_model=patch_model, reader=require_viewer,
-                            writer=writer, with_create=with_create)
+            resource_router(
+                kind,
+                plural=plural,
+                read_model=read_model,
+                patch_model=patch_model,
+                reader=require_viewer,
+                writer=writer,
+                with_create=with_create,
+            )
         )
     api.include_router(access_routes.keys_router)
     api.include_router(events.router)
@@ -94,6 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             migrate_locked(engine, settings.database_url)
         app.state.engine = engine
         app.state.sessionmaker = make_sessionmaker(engine)
+        app.state.schema_head = head_revision()
         try:
             yield
         finally:

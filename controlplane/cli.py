@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from controlplane.settings import Settings
 
 app = typer.Typer(help="Spillway: keep edge AI inference inside its SLOs.", no_args_is_help=True)
 controlplane_app = typer.Typer(help="Run and administer the control plane.", no_args_is_help=True)
 app.add_typer(controlplane_app, name="controlplane")
 
 
-def _settings(**overrides: object):  # type: ignore[no-untyped-def]
+def _settings(**overrides: Any) -> Settings:
     from pydantic import ValidationError
 
     from controlplane.settings import Settings
 
     try:
-        return Settings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         for err in exc.errors():
             field = ".".join(str(p) for p in err["loc"])
@@ -39,7 +42,9 @@ def version() -> None:
 def serve(
     host: Annotated[str | None, typer.Option(help="listen address [SPILLWAY_HOST]")] = None,
     port: Annotated[int | None, typer.Option(help="listen port [SPILLWAY_PORT]")] = None,
-    migrate: Annotated[bool | None, typer.Option(help="migrate the database at start [SPILLWAY_MIGRATE_ON_START]")] = None,
+    migrate: Annotated[
+        bool | None, typer.Option(help="migrate the database at start [SPILLWAY_MIGRATE_ON_START]")
+    ] = None,
 ) -> None:
     """Serve the REST policy API (migrates the database first unless --no-migrate)."""
     import uvicorn
@@ -93,7 +98,7 @@ def create_key(
     from controlplane.schemas.access import ApiKeyCreate
 
     try:
-        body = ApiKeyCreate(name=name, role=role)  # type: ignore[arg-type]
+        body = ApiKeyCreate.model_validate({"name": name, "role": role})
     except ValidationError as exc:
         for err in exc.errors():
             typer.echo(f"error: --{err['loc'][0]}: {err['msg']}", err=True)
@@ -103,7 +108,9 @@ def create_key(
     engine = make_engine(settings.database_url)
     try:
         with transaction(make_sessionmaker(engine)) as session:
-            _, key = issue_api_key(session, body.name, body.role, Actor("cli", "created with spillway controlplane create-key"))
+            _, key = issue_api_key(
+                session, body.name, body.role, Actor("cli", "created with spillway controlplane create-key")
+            )
     except SpillwayError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(1) from None

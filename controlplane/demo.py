@@ -42,7 +42,9 @@ def seed(client: httpx.Client, fleet: dict[str, Any]) -> dict[str, list[dict[str
         for item in fleet.get(kind, []):
             response = client.post(f"/api/v1/{kind}", json=item)
             if response.status_code != 201:
-                raise RuntimeError(f"seeding {kind} '{item.get('name')}' failed: {response.status_code} {response.text}")
+                raise RuntimeError(
+                    f"seeding {kind} '{item.get('name')}' failed: {response.status_code} {response.text}"
+                )
             created.setdefault(kind, []).append(response.json())
     return created
 
@@ -69,9 +71,11 @@ def run_demo(*, port: int, data_dir: str, once: bool) -> int:
     env = {**os.environ, "SPILLWAY_DATABASE_URL": url, "SPILLWAY_PORT": str(port), "SPILLWAY_HOST": "127.0.0.1"}
     log_path = root / "controlplane.log"
     log = log_path.open("wb")
-    proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+    proc = subprocess.Popen(
         [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--no-migrate"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {admin_key}"}, timeout=10) as client:
@@ -114,8 +118,10 @@ def _report(base: str, key: str, created: dict[str, list[dict[str, Any]]], statu
     for item in created.get("agents", []):
         _say(f"  agent token for {item['agent']['name']} (shown once): {item['token']}")
     _say()
-    _say(f"Fleet status: {status['agents']['total']} agents, {status['slos']} SLOs, "
-         f"{status['rules']} rules ({status['rules_enabled']} enabled), {status['backends']} backends")
+    _say(
+        f"Fleet status: {status['agents']['total']} agents, {status['slos']} SLOs, "
+        f"{status['rules']} rules ({status['rules_enabled']} enabled), {status['backends']} backends"
+    )
     _say()
     _say("Where to look:")
     _say(f"  export SPILLWAY_API_KEY={key}")

@@ -1,15 +1,15 @@
 """Domain errors of the control plane, each mapped to one HTTP status and a stable error code.
 
-    SpillwayError
-    ├── NotFound              404 not_found
-    ├── ValidationFailed      422 validation_error
-    │   └── DuplicateName     422 duplicate_name
-    ├── Conflict              409 conflict
-    ├── PreconditionFailed    412 precondition_failed
-    ├── PreconditionRequired  428 precondition_required
-    ├── Unauthenticated       401 unauthenticated
-    ├── Forbidden             403 forbidden
-    └── PayloadTooLarge       413 payload_too_large
+SpillwayError
+├── NotFound              404 not_found
+├── ValidationFailed      422 validation_error
+│   └── DuplicateName     422 duplicate_name
+├── Conflict              409 conflict
+├── PreconditionFailed    412 precondition_failed
+├── PreconditionRequired  428 precondition_required
+├── Unauthenticated       401 unauthenticated
+├── Forbidden             403 forbidden
+└── PayloadTooLarge       413 payload_too_large
 """
 
 from __future__ import annotations

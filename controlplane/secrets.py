@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass
 
 API_KEY_PREFIX = "spk"
-AGENT_TOKEN_PREFIX = "spa"
+AGENT_TOKEN_PREFIX = "spa"  # noqa: S105 - a prefix, not a secret
 
 
 @dataclass(frozen=True)

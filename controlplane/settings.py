@@ -14,9 +14,12 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPILLWAY_", extra="ignore")
 
     env: Literal["development", "production"] = Field(
-        default="development", description="`production` refuses unsafe defaults (e.g. binding beyond loopback without TLS)."
+        default="development",
+        description="`production` refuses unsafe defaults (e.g. binding beyond loopback without TLS).",
     )
-    database_url: str = Field(default="sqlite:///./spillway.db", description="SQLAlchemy URL: SQLite file or PostgreSQL.")
+    database_url: str = Field(
+        default="sqlite:///./spillway.db", description="SQLAlchemy URL: SQLite file or PostgreSQL."
+    )
     host: str = Field(default="127.0.0.1", description="Address the control plane listens on.")
     port: int = Field(default=8400, ge=1, le=65535, description="Port the control plane listens on.")
     migrate_on_start: bool = Field(default=True, description="Run Alembic migrations to head when `serve` starts.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from alembic import context
+
 from controlplane.db.models import Base
 from controlplane.db.session import make_engine, normalise_url
 

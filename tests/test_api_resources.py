@@ -26,8 +26,9 @@ def test_lifecycle_with_etags_and_audit(api: Api, plural: str) -> None:
     assert got.json() == created
     etag = got.headers["etag"]
 
-    renamed = api.call("PATCH", f"/api/v1/{plural}/{ident}", json={"name": f"renamed-{ident}"},
-                       headers={"If-Match": etag})
+    renamed = api.call(
+        "PATCH", f"/api/v1/{plural}/{ident}", json={"name": f"renamed-{ident}"}, headers={"If-Match": etag}
+    )
     assert renamed.status_code == 200, renamed.text
     assert renamed.json()["name"] == f"renamed-{ident}"
     assert renamed.json()["version"] == created["version"] + 1
@@ -97,7 +98,9 @@ def test_patch_keeps_unset_fields_and_validates_the_result(sqlite_api: Api) -> N
     broken = sqlite_api.call("PATCH", f"/api/v1/slos/{slo['id']}", json={"sli_kind": "availability"})
     assert broken.status_code == 422
     assert "threshold_ms" in broken.text
-    fixed = sqlite_api.call("PATCH", f"/api/v1/slos/{slo['id']}", json={"sli_kind": "availability", "threshold_ms": None})
+    fixed = sqlite_api.call(
+        "PATCH", f"/api/v1/slos/{slo['id']}", json={"sli_kind": "availability", "threshold_ms": None}
+    )
     assert fixed.status_code == 200, fixed.text
     assert fixed.json()["threshold_ms"] is None
 
@@ -125,11 +128,15 @@ def test_backend_auth_header_is_write_only(api: Api) -> None:
 
 
 def test_rule_and_slo_round_trip_durations_and_selectors(sqlite_api: Api) -> None:
-    rule = sqlite_api.call("POST", "/api/v1/rules", json=make_rule(
-        selector={"labels": "site=berlin, tier=edge"},
-        hysteresis={"for": 90, "recover_after": "10m"},
-        action={"kind": "tune_batching", "max_queue_delay_us": 500, "preferred_batch_sizes": [8, 16]},
-    ))
+    rule = sqlite_api.call(
+        "POST",
+        "/api/v1/rules",
+        json=make_rule(
+            selector={"labels": "site=berlin, tier=edge"},
+            hysteresis={"for": 90, "recover_after": "10m"},
+            action={"kind": "tune_batching", "max_queue_delay_us": 500, "preferred_batch_sizes": [8, 16]},
+        ),
+    )
     assert rule.status_code == 201, rule.text
     body = rule.json()
     assert body["selector"]["labels"] == {"site": "berlin", "tier": "edge"}
@@ -140,7 +147,12 @@ def test_rule_and_slo_round_trip_durations_and_selectors(sqlite_api: Api) -> Non
 
 
 def test_reason_header_and_actor_reach_the_audit_event(sqlite_api: Api) -> None:
-    sqlite_api.call("POST", "/api/v1/slos", role="editor", json=make_slo(name="audited"),
-                    headers={"X-Spillway-Reason": "ticket OPS-42"})
+    sqlite_api.call(
+        "POST",
+        "/api/v1/slos",
+        role="editor",
+        json=make_slo(name="audited"),
+        headers={"X-Spillway-Reason": "ticket OPS-42"},
+    )
     event = sqlite_api.call("GET", "/api/v1/events", params={"kind": "slo.created"}).json()["items"][0]
     assert (event["actor"], event["reason"], event["data"]["name"]) == ("key:test-editor", "ticket OPS-42", "audited")

@@ -15,10 +15,19 @@ from controlplane.errors import SpillwayError
 
 log = logging.getLogger("spillway.controlplane")
 
-_CODES = {401: "unauthenticated", 403: "forbidden", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+_CODES = {
+    400: "bad_request",
+    401: "unauthenticated",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+}
 
 
-def error_response(status: int, code: str, message: str, details: Any = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, code: str, message: str, details: Any = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse({"error": code, "message": message, "details": details}, status_code=status, headers=headers)
 
 
@@ -42,7 +51,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _CODES.get(exc.status_code, HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_"))
-        return error_response(exc.status_code, code, str(exc.detail), None, getattr(exc, "headers", None))
+        message = str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = "the request body could not be parsed: send UTF-8 encoded JSON"
+        return error_response(exc.status_code, code, message, None, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

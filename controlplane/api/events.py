@@ -36,7 +36,9 @@ def list_events(
     if rule is not None:
         query = query.where(Event.rule_id == rule)
     if kind is not None:
-        query = query.where(Event.kind.startswith(kind[:-1], autoescape=True) if kind.endswith("*") else Event.kind == kind)
+        query = query.where(
+            Event.kind.startswith(kind[:-1], autoescape=True) if kind.endswith("*") else Event.kind == kind
+        )
     for name, bound in (("since", since), ("until", until)):
         if bound is not None and bound.tzinfo is None:
             raise ValidationFailed.field(name, "needs a time zone, e.g. 2026-11-30T08:00:00Z")

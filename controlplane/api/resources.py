@@ -37,45 +37,69 @@ def resource_router(
         return kind.read(row)
 
     @router.get("", response_model=Page[read_model], summary=f"List {plural}")  # type: ignore[valid-type]
-    def list_items(session: SessionDep, _: Annotated[Principal, Depends(reader)], cursor: Cursor = None,
-                   limit: Limit = 100) -> Any:
+    def list_items(
+        session: SessionDep, _: Annotated[Principal, Depends(reader)], cursor: Cursor = None, limit: Limit = 100
+    ) -> Any:
         rows, next_cursor = repo.list_rows(session, kind, cursor=cursor, limit=limit)
         return {"items": [kind.read(r) for r in rows], "next_cursor": next_cursor}
 
     if with_create:
 
         @router.post("", response_model=read_model, status_code=status.HTTP_201_CREATED, summary=f"Create a {singular}")
-        def create_item(body: create_model, session: SessionDep, who: Annotated[Principal, Depends(writer)],  # type: ignore[valid-type]
-                        response: Response, reason: Reason = None) -> Any:
+        def create_item(
+            body: create_model,  # type: ignore[valid-type]
+            session: SessionDep,
+            who: Annotated[Principal, Depends(writer)],
+            response: Response,
+            reason: Reason = None,
+        ) -> Any:
             row = repo.create_row(session, kind, body, actor_of(who, reason))
             session.commit()
             response.headers["Location"] = f"/api/v1/{plural}/{row.id}"
             return _send(row, response)
 
     @router.get("/{item_id}", response_model=read_model, summary=f"Read a {singular}")
-    def get_item(item_id: str, session: SessionDep, _: Annotated[Principal, Depends(reader)],
-                 response: Response) -> Any:
+    def get_item(
+        item_id: str, session: SessionDep, _: Annotated[Principal, Depends(reader)], response: Response
+    ) -> Any:
         return _send(repo.get_row(session, kind, item_id), response)
 
     @router.put("/{item_id}", response_model=read_model, summary=f"Replace a {singular}")
-    def replace_item(item_id: str, body: create_model, session: SessionDep,  # type: ignore[valid-type]
-                     who: Annotated[Principal, Depends(writer)], response: Response,
-                     if_match: IfMatch = None, reason: Reason = None) -> Any:
+    def replace_item(
+        item_id: str,
+        body: create_model,  # type: ignore[valid-type]
+        session: SessionDep,
+        who: Annotated[Principal, Depends(writer)],
+        response: Response,
+        if_match: IfMatch = None,
+        reason: Reason = None,
+    ) -> Any:
         row = repo.replace_row(session, kind, item_id, body, if_match, actor_of(who, reason))
         session.commit()
         return _send(row, response)
 
     @router.patch("/{item_id}", response_model=read_model, summary=f"Change some fields of a {singular}")
-    def patch_item(item_id: str, body: patch_model, session: SessionDep,  # type: ignore[valid-type]
-                   who: Annotated[Principal, Depends(writer)], response: Response,
-                   if_match: IfMatch = None, reason: Reason = None) -> Any:
+    def patch_item(
+        item_id: str,
+        body: patch_model,  # type: ignore[valid-type]
+        session: SessionDep,
+        who: Annotated[Principal, Depends(writer)],
+        response: Response,
+        if_match: IfMatch = None,
+        reason: Reason = None,
+    ) -> Any:
         row = repo.patch_row(session, kind, item_id, body, if_match, actor_of(who, reason))
         session.commit()
         return _send(row, response)
 
     @router.delete("/{item_id}", status_code=status.HTTP_204_NO_CONTENT, summary=f"Delete a {singular}")
-    def delete_item(item_id: str, session: SessionDep, who: Annotated[Principal, Depends(writer)],
-                    if_match: IfMatch = None, reason: Reason = None) -> Response:
+    def delete_item(
+        item_id: str,
+        session: SessionDep,
+        who: Annotated[Principal, Depends(writer)],
+        if_match: IfMatch = None,
+        reason: Reason = None,
+    ) -> Response:
         repo.delete_row(session, kind, item_id, if_match, actor_of(who, reason))
         session.commit()
         return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -1,5 +1,6 @@
 """Fleet summary and the probes. `/healthz` and `/readyz` are the only unauthenticated routes and reveal nothing."""
 
+import logging
 from datetime import timedelta
 from typing import Any
 
@@ -13,6 +14,7 @@ from controlplane.api.deps import SessionDep, SettingsDep, Viewer
 from controlplane.db.models import Agent, Backend, Rule, Slo, utcnow
 from controlplane.db.repository import count
 
+log = logging.getLogger("spillway.controlplane")
 PROBES = ("/healthz", "/readyz")
 probes = APIRouter(tags=["probes"])
 router = APIRouter(prefix="/api/v1", tags=["status"])
@@ -27,9 +29,13 @@ def healthz() -> dict[str, str]:
 def readyz(request: Request) -> Any:
     try:
         with request.app.state.engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
-    except Exception:  # any failure means not ready; the reason stays in the server log
-        return JSONResponse({"error": "not_ready", "message": "database unreachable", "details": None}, status_code=503)
+            current = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    except Exception:  # unreachable, or never migrated; the details stay in the server log
+        log.warning("readiness check failed", exc_info=True)
+        current = None
+    if current is None or current != request.app.state.schema_head:
+        message = "database unreachable or not migrated"
+        return JSONResponse({"error": "not_ready", "message": message, "details": None}, status_code=503)
     return {"status": "ready"}
 
 

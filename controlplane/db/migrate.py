@@ -6,6 +6,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
 
 from controlplane.db.session import normalise_url
 
@@ -23,6 +24,13 @@ def alembic_config(url: str) -> Config:
     # ConfigParser interpolation treats % specially (URL-encoded passwords).
     cfg.set_main_option("sqlalchemy.url", normalise_url(url).replace("%", "%%"))
     return cfg
+
+
+def head_revision() -> str:
+    """The newest revision this code knows: what `/readyz` expects the database to be at."""
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    assert head is not None
+    return head
 
 
 def migrate_to(url: str, revision: str = "head") -> None:

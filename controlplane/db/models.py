@@ -43,19 +43,21 @@ class Base(DeclarativeBase):
     type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSONType, list[Any]: JSONType}
 
 
-class Versioned:
-    """Rows that operators edit carry a version: the ETag that `If-Match` checks."""
+class Resource(Base):
+    """Operator-edited rows: an id, a unique name, and a version that `If-Match` checks."""
 
+    __abstract__ = True
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
     version: Mapped[int] = mapped_column(Integer, default=1)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 
-class Agent(Versioned, Base):
+class Agent(Resource):
     __tablename__ = "agents"
 
-    id: Mapped[str] = mapped_column(String(16), primary_key=True)
-    name: Mapped[str] = mapped_column(String(128), unique=True)
     labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
     device_class: Mapped[str] = mapped_column(String(32))
     token_hash: Mapped[str] = mapped_column(String(64))
@@ -75,11 +77,9 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
-class Slo(Versioned, Base):
+class Slo(Resource):
     __tablename__ = "slos"
 
-    id: Mapped[str] = mapped_column(String(16), primary_key=True)
-    name: Mapped[str] = mapped_column(String(128), unique=True)
     description: Mapped[str] = mapped_column(Text, default="")
     selector: Mapped[dict[str, Any]] = mapped_column()
     sli_kind: Mapped[str] = mapped_column(String(16))
@@ -89,11 +89,9 @@ class Slo(Versioned, Base):
     alert_windows: Mapped[list[Any]] = mapped_column(default=list)
 
 
-class Rule(Versioned, Base):
+class Rule(Resource):
     __tablename__ = "rules"
 
-    id: Mapped[str] = mapped_column(String(16), primary_key=True)
-    name: Mapped[str] = mapped_column(String(128), unique=True)
     description: Mapped[str] = mapped_column(Text, default="")
     selector: Mapped[dict[str, Any]] = mapped_column()
     condition: Mapped[dict[str, Any]] = mapped_column()
@@ -103,11 +101,9 @@ class Rule(Versioned, Base):
     dry_run: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
-class Backend(Versioned, Base):
+class Backend(Resource):
     __tablename__ = "backends"
 
-    id: Mapped[str] = mapped_column(String(16), primary_key=True)
-    name: Mapped[str] = mapped_column(String(128), unique=True)
     url: Mapped[str] = mapped_column(String(2048))
     models: Mapped[list[Any]] = mapped_column(default=list)
     weight: Mapped[float] = mapped_column(Float, default=1.0)

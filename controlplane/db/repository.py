@@ -17,11 +17,11 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from controlplane.db.models import Base, Event, utcnow
+from controlplane.db.models import Base, Event, Resource, utcnow
 from controlplane.errors import DuplicateName, NotFound, PreconditionFailed, ValidationFailed
 from controlplane.secrets import new_ident
 
-Row = TypeVar("Row", bound=Base)
+Row = TypeVar("Row", bound=Resource)
 
 
 @dataclass(frozen=True)
@@ -151,18 +151,18 @@ def list_rows(
     session: Session, kind: ResourceKind[Row], *, cursor: str | None, limit: int
 ) -> tuple[Sequence[Row], str | None]:
     """A page ordered by name; the cursor is the last name of the previous page."""
-    name_col = kind.table.name  # type: ignore[attr-defined]
+    name_col = kind.table.name
     query = select(kind.table).order_by(name_col).limit(limit + 1)
     if cursor is not None:
         query = query.where(name_col > decode_cursor(cursor, str))
     rows = session.scalars(query).all()
     if len(rows) > limit:
-        return rows[:limit], encode_cursor(rows[limit - 1].name)  # type: ignore[attr-defined]
+        return rows[:limit], encode_cursor(rows[limit - 1].name)
     return rows, None
 
 
 def _ensure_unique_name(session: Session, kind: ResourceKind[Any], name: str, ident: str | None) -> None:
-    clash = session.scalar(select(kind.table.id).where(kind.table.name == name))  # type: ignore[attr-defined]
+    clash = session.scalar(select(kind.table.id).where(kind.table.name == name))
     if clash is not None and clash != ident:
         raise DuplicateName(
             f"a {kind.singular} named '{name}' already exists",
@@ -207,11 +207,11 @@ def replace_row(
     before = {key: getattr(row, key) for key in values}
     for key, value in values.items():
         setattr(row, key, value)
-    row.version += 1  # type: ignore[attr-defined]
-    row.updated_at = utcnow()  # type: ignore[attr-defined]
+    row.version += 1
+    row.updated_at = utcnow()
     _flush(session, kind, values["name"])
     record_event(
-        session, kind=f"{kind.singular}.updated", actor=actor, subject_type=kind.singular, subject_id=row.id,  # type: ignore[attr-defined]
+        session, kind=f"{kind.singular}.updated", actor=actor, subject_type=kind.singular, subject_id=row.id,
         data={"name": values["name"], "changes": _changes(kind, before, values)}, **_event_links(kind, row),
     )  # fmt: skip
     return row
@@ -238,14 +238,16 @@ def _validate_as(model: type[BaseModel], data: dict[str, Any]) -> BaseModel:
     except ValidationError as exc:
         raise ValidationFailed(
             "the resource would be invalid after this change",
-            details=[{"field": ".".join(str(p) for p in err["loc"]) or "body", "message": err["msg"]} for err in exc.errors()],
+            details=[
+                {"field": ".".join(str(p) for p in err["loc"]) or "body", "message": err["msg"]} for err in exc.errors()
+            ],
         ) from exc
 
 
 def delete_row(session: Session, kind: ResourceKind[Row], ident: str, if_match: str | None, actor: Actor) -> None:
     row = get_row(session, kind, ident)
     check_if_match(if_match, row)
-    name = row.name  # type: ignore[attr-defined]
+    name = row.name
     session.delete(row)
     record_event(
         session, kind=f"{kind.singular}.deleted", actor=actor, subject_type=kind.singular, subject_id=ident,

@@ -88,7 +88,9 @@ def parse_labels(value: Any) -> Any:
         if not isinstance(key, str) or not _LABEL.match(key):
             raise ValueError(f"label key '{key}' must be 1-63 letters, digits, '-', '_', '.', '/'")
         if not isinstance(val, str) or (val and not _LABEL.match(val)):
-            raise ValueError(f"label value '{val}' of '{key}' must be a string of up to 63 letters, digits, '-', '_', '.'")
+            raise ValueError(
+                f"label value '{val}' of '{key}' must be a string of up to 63 letters, digits, '-', '_', '.'"
+            )
     return value
 
 
@@ -145,8 +147,33 @@ def partial(model: type[BaseModel]) -> type[BaseModel]:
         copy = info._copy()  # keeps alias, constraints and description
         copy.default = None
         copy.default_factory = None
-        copy.annotation = info.annotation | None  # type: ignore[operator]
-        fields[name] = (copy.annotation, copy)
-    return create_model(  # type: ignore[call-overload, no-any-return]
+        annotation: Any = info.annotation
+        fields[name] = (annotation | None, copy)
+    patch: type[BaseModel] = create_model(
         f"{model.__name__.removesuffix('Create')}Patch", __config__=model.model_config, **fields
     )
+    return patch
+
+
+class ErrorBody(BaseModel):
+    """Every error: a stable machine code, a human message, and details (e.g. the fields at fault)."""
+
+    error: str
+    message: str
+    details: Any = None
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in (
+        (400, "malformed request, e.g. a body that is not UTF-8 JSON"),
+        (401, "missing, invalid or revoked credentials"),
+        (403, "valid credentials without the needed role"),
+        (404, "no such resource"),
+        (409, "conflicts with the current state"),
+        (412, "If-Match does not match the current version"),
+        (413, "body over the size limit"),
+        (422, "invalid input: details name each field"),
+    )
+}
+"""Documented on every API route, so clients (and schemathesis) know the shape of each error."""

@@ -46,7 +46,9 @@ class ErrorRatioCondition(Strict):
     min_requests: int = Field(default=20, ge=0)
 
 
-GaugeMetric = Literal["queue_depth", "gpu_memory_free_bytes", "gpu_memory_free_ratio", "gpu_temperature_c", "gpu_utilization"]
+GaugeMetric = Literal[
+    "queue_depth", "gpu_memory_free_bytes", "gpu_memory_free_ratio", "gpu_temperature_c", "gpu_utilization"
+]
 
 
 class GaugeCondition(Strict):

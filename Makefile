@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine with Python >= 3.10 and make:
+#   make demo   creates .venv, installs Spillway, runs the demo story
+#   make test   creates .venv, installs Spillway with the dev extra, runs lint, types and the whole suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: demo test lint typecheck pytest clean
+
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit("Spillway needs Python >= 3.10, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	@touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $@ $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(BIN)/spillway demo
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(VENV)/.installed-dev
+	$(BIN)/mypy
+
+pytest: $(VENV)/.installed-dev
+	$(BIN)/pytest
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .spillway-demo .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,99 @@
+"""Real processes on loopback: `spillway controlplane serve` migrates at start, replicas take turns, and the demo."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.utils.server import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPILLWAY_")}
+    return {**env, **extra}
+
+
+def _serve(url: str, port: int, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--port", str(port), *args],
+        env=_env(SPILLWAY_DATABASE_URL=url),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _wait(port: int, proc: subprocess.Popen[bytes], want: int, deadline_s: float = 60) -> httpx.Response:
+    deadline = time.monotonic() + deadline_s
+    last: httpx.Response | None = None
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "exited"
+        try:
+            last = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
+            if last.status_code == want:
+                return last
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"readyz never answered {want}; last: {last and last.text}")
+
+
+def _stop(*procs: subprocess.Popen[bytes]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.wait(timeout=15)
+
+
+def test_serve_migrates_at_start_unless_told_not_to(sqlite_url: str, tmp_path: Path) -> None:
+    unmigrated = f"sqlite:///{tmp_path / 'other.db'}"
+    port_a, port_b = free_port(), free_port()
+    a, b = _serve(sqlite_url, port_a), _serve(unmigrated, port_b, "--no-migrate")
+    try:
+        assert _wait(port_a, a, 200).json() == {"status": "ready"}
+        not_ready = _wait(port_b, b, 503)
+        assert not_ready.json()["error"] == "not_ready"
+        assert httpx.get(f"http://127.0.0.1:{port_b}/healthz").status_code == 200
+    finally:
+        _stop(a, b)
+
+
+@pytest.mark.postgres
+def test_replicas_starting_together_on_postgres_take_turns_to_migrate(postgres_url: str) -> None:
+    ports = [free_port() for _ in range(3)]
+    procs = [_serve(postgres_url, port) for port in ports]
+    try:
+        for port, proc in zip(ports, procs, strict=True):
+            assert _wait(port, proc, 200).status_code == 200
+    finally:
+        _stop(*procs)
+
+
+def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:
+    port = free_port()
+    out = subprocess.run(
+        [sys.executable, "-m", "controlplane.cli", "demo", "--once", "--port", str(port), "--data-dir", str(tmp_path)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    key = re.search(r"Admin API key \(shown once\): (spk_\S+)", out.stdout)
+    assert key, out.stdout
+    assert "seeded 2 agents: jetson-berlin-01, desktop-gpu-lab" in out.stdout
+    assert "seeded 2 slos: mlp-latency, mlp-availability" in out.stdout
+    assert "seeded 3 rules" in out.stdout
+    assert "seeded 1 backends: cloud-triton-eu" in out.stdout
+    assert "Fleet status: 2 agents, 2 SLOs, 3 rules (3 enabled), 1 backends" in out.stdout
+    assert "demo-backend-secret" not in out.stdout
+    assert f"http://127.0.0.1:{port}" in out.stdout
