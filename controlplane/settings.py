@@ -27,7 +27,7 @@ class Settings(BaseSettings):
     stale_after_s: float = Field(default=15.0, gt=0, description="An agent not seen for this long is `stale`.")
     tls_certfile: str | None = Field(default=None, description="PEM certificate: set with the key file to serve HTTPS.")
     tls_keyfile: str | None = Field(default=None, description="PEM private key for `tls_certfile`.")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Server log level.")
 
     @field_validator("database_url")
     @classmethod
