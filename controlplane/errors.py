@@ -57,11 +57,6 @@ class PreconditionFailed(SpillwayError):
     code = "precondition_failed"
 
 
-class PreconditionRequired(SpillwayError):
-    status_code = 428
-    code = "precondition_required"
-
-
 class Unauthenticated(SpillwayError):
     status_code = 401
     code = "unauthenticated"

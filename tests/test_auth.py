@@ -201,3 +201,17 @@ def test_create_key_cli_prints_the_key_alone(sqlite_url: str, role: str) -> None
     )
     assert bad.returncode == 2
     assert "--role" in bad.stderr
+
+
+def test_key_listing_pages_and_hides_revoked_by_default(sqlite_api: Api) -> None:
+    made = [sqlite_api.call("POST", "/api/v1/keys", json={"name": f"k-{i}", "role": "viewer"}).json() for i in range(3)]
+    sqlite_api.call("DELETE", f"/api/v1/keys/{made[0]['api_key']['id']}")
+    names: list[str] = []
+    cursor = None
+    for _ in range(10):
+        page = sqlite_api.call("GET", "/api/v1/keys", params={"limit": 2, **({"cursor": cursor} if cursor else {})})
+        names += [k["name"] for k in page.json()["items"]]
+        cursor = page.json()["next_cursor"]
+        if cursor is None:
+            break
+    assert names == ["k-1", "k-2", "test-admin", "test-editor", "test-viewer"]

@@ -70,14 +70,9 @@ def list_keys(
     limit: Limit = 100,
     include_revoked: Annotated[bool, Query()] = False,
 ) -> Any:
-    query = select(ApiKey).order_by(ApiKey.name).limit(limit + 1)
-    if not include_revoked:
-        query = query.where(ApiKey.revoked_at.is_(None))
-    if cursor is not None:
-        query = query.where(ApiKey.name > repo.decode_cursor(cursor, str))
-    rows = session.scalars(query).all()
-    next_cursor = repo.encode_cursor(rows[limit - 1].name) if len(rows) > limit else None
-    return {"items": rows[:limit], "next_cursor": next_cursor}
+    query = select(ApiKey) if include_revoked else select(ApiKey).where(ApiKey.revoked_at.is_(None))
+    rows, next_cursor = repo.page(session, query, key=ApiKey.name, cursor=cursor, limit=limit)
+    return {"items": rows, "next_cursor": next_cursor}
 
 
 @keys_router.post(

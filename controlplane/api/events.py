@@ -14,7 +14,6 @@ from controlplane.errors import NotFound, ValidationFailed
 from controlplane.schemas.access import EventRead
 from controlplane.schemas.common import Page
 
-MAX_ID = 2**63 - 1
 router = APIRouter(prefix="/api/v1/events", tags=["events"])
 
 
@@ -30,7 +29,7 @@ def list_events(
     cursor: Cursor = None,
     limit: Limit = 100,
 ) -> Any:
-    query = select(Event).order_by(Event.id.desc()).limit(limit + 1)
+    query = select(Event)
     if agent is not None:
         query = query.where(Event.agent_id == agent)
     if rule is not None:
@@ -46,18 +45,12 @@ def list_events(
         query = query.where(Event.ts >= since)
     if until is not None:
         query = query.where(Event.ts < until)
-    if cursor is not None:
-        before = repo.decode_cursor(cursor, int)
-        if isinstance(before, bool) or not 0 < before <= MAX_ID:
-            raise ValidationFailed.field("cursor", "not a cursor this API returned; start again without it")
-        query = query.where(Event.id < before)
-    rows = session.scalars(query).all()
-    next_cursor = repo.encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
-    return {"items": rows[:limit], "next_cursor": next_cursor}
+    rows, next_cursor = repo.page(session, query, key=Event.id, cursor=cursor, limit=limit, descending=True)
+    return {"items": rows, "next_cursor": next_cursor}
 
 
 @router.get("/{event_id}", response_model=EventRead, summary="Read one event")
-def get_event(event_id: Annotated[int, Path(ge=1, le=MAX_ID)], session: SessionDep, _: Viewer) -> Any:
+def get_event(event_id: Annotated[int, Path(ge=1, le=repo.MAX_INT_ID)], session: SessionDep, _: Viewer) -> Any:
     row = session.get(Event, event_id)
     if row is None:
         raise NotFound(f"no event with id {event_id}")

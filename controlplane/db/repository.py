@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, SecretStr, ValidationError
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -22,6 +22,7 @@ from controlplane.errors import DuplicateName, NotFound, PreconditionFailed, Val
 from controlplane.secrets import new_ident
 
 Row = TypeVar("Row", bound=Resource)
+MAX_INT_ID = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -147,18 +148,26 @@ def get_row(session: Session, kind: ResourceKind[Row], ident: str) -> Row:
     return row
 
 
+def page(
+    session: Session, query: Select[Any], *, key: Any, cursor: str | None, limit: int, descending: bool = False
+) -> tuple[Sequence[Any], str | None]:
+    """One page of `query` ordered by the unique column `key`; the cursor is the last key of the previous page."""
+    if cursor is not None:
+        after = decode_cursor(cursor, int if descending else str)
+        if descending and (isinstance(after, bool) or not 0 < after <= MAX_INT_ID):
+            raise ValidationFailed.field("cursor", "not a cursor this API returned; start again without it")
+        query = query.where(key < after if descending else key > after)
+    rows = session.scalars(query.order_by(key.desc() if descending else key).limit(limit + 1)).all()
+    if len(rows) <= limit:
+        return rows, None
+    return rows[:limit], encode_cursor(getattr(rows[limit - 1], key.key))
+
+
 def list_rows(
     session: Session, kind: ResourceKind[Row], *, cursor: str | None, limit: int
 ) -> tuple[Sequence[Row], str | None]:
-    """A page ordered by name; the cursor is the last name of the previous page."""
-    name_col = kind.table.name
-    query = select(kind.table).order_by(name_col).limit(limit + 1)
-    if cursor is not None:
-        query = query.where(name_col > decode_cursor(cursor, str))
-    rows = session.scalars(query).all()
-    if len(rows) > limit:
-        return rows[:limit], encode_cursor(rows[limit - 1].name)
-    return rows, None
+    """A page of a resource, alphabetical by name."""
+    return page(session, select(kind.table), key=kind.table.name, cursor=cursor, limit=limit)
 
 
 def _ensure_unique_name(session: Session, kind: ResourceKind[Any], name: str, ident: str | None) -> None:
