@@ -6,7 +6,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.db.models import Agent, ApiKey, utcnow
-from controlplane.db.repository import Actor, check_if_match, count, record_event
+from controlplane.db.repository import Actor, check_if_match, flush, record_event
 from controlplane.errors import Conflict, DuplicateName, NotFound
 from controlplane.secrets import (
     AGENT_TOKEN_PREFIX,
@@ -27,7 +27,7 @@ def issue_api_key(session: Session, name: str, role: str, actor: Actor) -> tuple
     ident, secret = new_ident(), new_secret()
     key = ApiKey(id=ident, name=name, role=role, key_hash=hash_secret(secret), version=1, created_at=utcnow())
     session.add(key)
-    session.flush()
+    flush(session, "API key")
     record_event(
         session,
         kind="api_key.created",
@@ -47,7 +47,9 @@ def get_api_key(session: Session, ident: str) -> ApiKey:
 
 
 def _other_active_admins(session: Session, key: ApiKey) -> int:
-    return count(session, ApiKey, ApiKey.role == "admin", ApiKey.revoked_at.is_(None), ApiKey.id != key.id)
+    """Locks every active admin row, in id order (PostgreSQL), so two admins cannot revoke each other at once."""
+    admins = select(ApiKey.id).where(ApiKey.role == "admin", ApiKey.revoked_at.is_(None)).order_by(ApiKey.id)
+    return sum(1 for ident in session.scalars(admins.with_for_update()) if ident != key.id)
 
 
 def change_api_key(
@@ -71,7 +73,6 @@ def change_api_key(
         changes["role"] = {"from": key.role, "to": role}
         key.role = role
     if changes:
-        key.version += 1
         record_event(
             session,
             kind="api_key.updated",
@@ -80,7 +81,7 @@ def change_api_key(
             subject_id=ident,
             data={"name": key.name, "changes": changes},
         )
-    session.flush()
+    flush(session, "API key")
     return key
 
 
@@ -92,7 +93,6 @@ def revoke_api_key(session: Session, ident: str, if_match: str | None, actor: Ac
     if key.role == "admin" and _other_active_admins(session, key) == 0:
         raise Conflict("this is the last active admin key; create another admin key before revoking it")
     key.revoked_at = utcnow()
-    key.version += 1
     record_event(
         session,
         kind="api_key.revoked",
@@ -101,7 +101,7 @@ def revoke_api_key(session: Session, ident: str, if_match: str | None, actor: Ac
         subject_id=ident,
         data={"name": key.name, "role": key.role},
     )
-    session.flush()
+    flush(session, "API key")
 
 
 def new_agent_token(agent_id: str) -> tuple[str, str]:
@@ -113,6 +113,7 @@ def new_agent_token(agent_id: str) -> tuple[str, str]:
 def rotate_agent_token(session: Session, agent: Agent, actor: Actor) -> str:
     token, digest = new_agent_token(agent.id)
     agent.token_hash = digest
+    agent.updated_at = utcnow()
     record_event(
         session,
         kind="agent.token_rotated",
@@ -122,5 +123,5 @@ def rotate_agent_token(session: Session, agent: Agent, actor: Actor) -> str:
         agent_id=agent.id,
         data={"name": agent.name},
     )
-    session.flush()
+    flush(session, "API key")
     return token

@@ -15,6 +15,7 @@ from sqlalchemy import text
 from controlplane import __version__
 from controlplane.api import access as access_routes
 from controlplane.api import events, status
+from controlplane.api.authn import Authenticate
 from controlplane.api.deps import Viewer, require_admin, require_editor, require_viewer
 from controlplane.api.errors import install_error_handlers
 from controlplane.api.limits import BodyLimit
@@ -130,6 +131,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     install_error_handlers(app)
+    # Outermost first: refuse oversized bodies, then authenticate, then route.
+    app.add_middleware(Authenticate)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(status.probes)
     app.include_router(_api_router(settings))

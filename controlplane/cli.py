@@ -7,12 +7,16 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from edge_agent.cli import agent_app, models_app
+
 if TYPE_CHECKING:
     from controlplane.settings import Settings
 
 app = typer.Typer(help="Spillway: keep edge AI inference inside its SLOs.", no_args_is_help=True)
 controlplane_app = typer.Typer(help="Run and administer the control plane.", no_args_is_help=True)
 app.add_typer(controlplane_app, name="controlplane")
+app.add_typer(agent_app, name="agent")
+app.add_typer(models_app, name="models")
 
 
 def _settings(**overrides: Any) -> Settings:

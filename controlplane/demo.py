@@ -56,8 +56,8 @@ def run_demo(*, port: int, data_dir: str, once: bool) -> int:
 
     root = Path(data_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    db_file = root / "spillway.db"
-    for stale in root.glob("spillway.db*"):
+    db_file = root / "demo.db"  # never the default `spillway.db`, even with --data-dir .
+    for stale in root.glob("demo.db*"):
         stale.unlink()  # a fresh story every run
     url = f"sqlite:///{db_file}"
     base = f"http://127.0.0.1:{port}"

@@ -6,7 +6,6 @@ SpillwayError
 │   └── DuplicateName     422 duplicate_name
 ├── Conflict              409 conflict
 ├── PreconditionFailed    412 precondition_failed
-├── PreconditionRequired  428 precondition_required
 ├── Unauthenticated       401 unauthenticated
 ├── Forbidden             403 forbidden
 └── PayloadTooLarge       413 payload_too_large

@@ -32,7 +32,7 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _known_backend(cls, value: str) -> str:
-        if not value.startswith(("sqlite", "postgresql")):
+        if not value.startswith(("sqlite", "postgresql", "postgres://")):
             raise ValueError("SPILLWAY_DATABASE_URL must be a sqlite:// or postgresql:// URL")
         return value
 

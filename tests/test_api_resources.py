@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tests.conftest import Api
+from controlplane.db import Slo, make_engine, make_sessionmaker
+from controlplane.db import repository as repo
+from controlplane.db.repository import ResourceKind
+from controlplane.errors import PreconditionFailed
+from controlplane.schemas.slos import SloCreate, SloPatch, SloRead
+from tests.conftest import Api, open_api
 from tests.utils.builders import BUILDERS, make_backend, make_rule, make_slo
 
 RESOURCES = ["slos", "rules", "backends", "agents"]
@@ -65,7 +72,8 @@ def test_unknown_ids_are_404_for_every_verb(sqlite_api: Api, plural: str) -> Non
     for method, kw in (("GET", {}), ("PUT", {"json": body}), ("PATCH", {"json": {"name": "n"}}), ("DELETE", {})):
         response = sqlite_api.call(method, f"/api/v1/{plural}/nope", **kw)
         assert response.status_code == 404, (method, response.text)
-        assert response.json()["message"] == f"no {plural.removesuffix('s')} with id 'nope'"
+        label = "SLO" if plural == "slos" else plural.removesuffix("s")
+        assert response.json()["message"] == f"no {label} with id 'nope'"
 
 
 def test_cursor_pagination_walks_every_item_once(api: Api) -> None:
@@ -156,3 +164,63 @@ def test_reason_header_and_actor_reach_the_audit_event(sqlite_api: Api) -> None:
     )
     event = sqlite_api.call("GET", "/api/v1/events", params={"kind": "slo.created"}).json()["items"][0]
     assert (event["actor"], event["reason"], event["data"]["name"]) == ("key:test-editor", "ticket OPS-42", "audited")
+
+
+def test_concurrent_writers_with_the_same_etag_cannot_both_win(db_url: str) -> None:
+    """Two operators read version 1; both write with If-Match of version 1: exactly one succeeds."""
+    list(open_api(db_url))  # migrate
+    kind = ResourceKind("slo", Slo, SloCreate, SloRead.model_validate)
+    engine = make_engine(db_url)
+    factory = make_sessionmaker(engine)
+    try:
+        with factory() as s:
+            row = repo.create_row(s, kind, SloCreate.model_validate(make_slo(name="shared")), repo.Actor("t"))
+            s.commit()
+            ident, tag = row.id, repo.etag(row)
+        first, second = factory(), factory()
+        for session in (first, second):  # both have read version 1 and checked If-Match against it
+            repo.get_row(session, kind, ident)
+        repo.patch_row(first, kind, ident, SloPatch(objective=95.0), tag, repo.Actor("anna"))
+        first.commit()
+        with pytest.raises(PreconditionFailed):
+            repo.patch_row(second, kind, ident, SloPatch(objective=99.9), tag, repo.Actor("ben"))
+        first.close()
+        second.close()
+        with factory() as s:
+            stored = repo.get_row(s, kind, ident)
+            assert (stored.objective, stored.version) == (95.0, 2)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        make_slo(description="a\x00b"),
+        make_slo(selector={"model": "m\x00"}),
+        make_rule(
+            action={
+                "kind": "fallback",
+                "priority_at_or_below": 3,
+                "mode": "default",
+                "default_output": {"x": float("nan")},
+            }
+        ),
+        make_backend(url="http://h/\x00", auth_header="Bearer TOPSECRET"),
+    ],
+    ids=["nul-description", "nul-selector", "nan-in-free-json", "nul-url"],
+)
+def test_values_no_database_can_store_are_422_on_both_backends(api: Api, body: dict) -> None:
+    plural = "rules" if "condition" in body else "backends" if "url" in body else "slos"
+    response = api.call(
+        "POST", f"/api/v1/{plural}", content=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 422, response.text
+    assert "TOPSECRET" not in response.text
+
+
+def test_nul_in_urls_is_400(api: Api) -> None:
+    for path in ("/api/v1/slos/%00abc", "/api/v1/events?kind=%00", "/api/v1/slos?cursor=%00"):
+        response = api.call("GET", path)
+        assert response.status_code == 400, (path, response.text)
+        assert response.json()["error"] == "bad_request"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+from sqlalchemy import update
+
+from controlplane.db import Agent, make_engine
 from tests.conftest import Api
 from tests.utils.builders import make_agent, make_rule, make_slo
 
@@ -56,12 +59,27 @@ def test_events_paginate_newest_first_without_gaps(api: Api) -> None:
 def test_status_counts_the_fleet(sqlite_api: Api) -> None:
     empty = sqlite_api.call("GET", "/api/v1/status", role="viewer").json()
     assert empty["agents"] == {"total": 0, "healthy": 0, "stale": 0, "never_seen": 0}
-    token = sqlite_api.call("POST", "/api/v1/agents", json=make_agent()).json()["token"]
+    seen = sqlite_api.call("POST", "/api/v1/agents", json=make_agent()).json()
     sqlite_api.call("POST", "/api/v1/agents", json=make_agent())
     sqlite_api.call("POST", "/api/v1/rules", json=make_rule(enabled=False))
     sqlite_api.call("POST", "/api/v1/slos", json=make_slo())
-    # An agent that authenticates has been seen.
-    sqlite_api.client.get("/api/v1/status", headers={"Authorization": f"Bearer {token}"})
+    # An agent token on an operator endpoint is refused and does not count as the agent being seen.
+    assert (
+        sqlite_api.client.get("/api/v1/status", headers={"Authorization": f"Bearer {seen['token']}"}).status_code == 403
+    )
+    assert sqlite_api.call("GET", "/api/v1/status").json()["agents"]["never_seen"] == 2
+    # Telemetry will set last_seen; here the agent reported a moment ago.
+    engine = make_engine(sqlite_api.url)
+    with engine.begin() as conn:
+        conn.execute(update(Agent).where(Agent.id == seen["agent"]["id"]).values(last_seen=datetime.now(timezone.utc)))
+    engine.dispose()
     status = sqlite_api.call("GET", "/api/v1/status").json()
     assert status["agents"] == {"total": 2, "healthy": 1, "stale": 0, "never_seen": 1}
     assert (status["slos"], status["rules"], status["rules_enabled"], status["backends"]) == (1, 1, 0, 0)
+
+
+def test_time_bounds_far_out_are_422_not_500(sqlite_api: Api) -> None:
+    for params in ({"since": "9999-12-31T23:00:00-05:00"}, {"until": "0001-01-01T00:00:00+05:00"}):
+        response = sqlite_api.call("GET", "/api/v1/events", params=params)
+        assert response.status_code == 422, response.text
+        assert response.json()["details"][0]["field"] in params

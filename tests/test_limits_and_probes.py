@@ -91,6 +91,7 @@ def test_readyz_is_503_when_the_database_is_gone(tmp_path: Path) -> None:
         ({"SPILLWAY_MAX_BODY_BYTES": "-1"}, "max_body_bytes"),
         ({"SPILLWAY_STALE_AFTER_S": "0"}, "stale_after_s"),
         ({"SPILLWAY_DATABASE_URL": "mysql://x"}, "SPILLWAY_DATABASE_URL"),
+        ({"SPILLWAY_DATABASE_URL": "postgresq://x"}, "SPILLWAY_DATABASE_URL"),
         ({"SPILLWAY_TLS_CERTFILE": "/x.pem"}, "SPILLWAY_TLS_KEYFILE"),
         ({"SPILLWAY_ENV": "production", "SPILLWAY_HOST": "0.0.0.0"}, "SPILLWAY_HOST"),
     ],
@@ -115,3 +116,8 @@ def test_serve_refuses_bad_settings_with_a_message_not_a_trace(tmp_path: Path) -
     assert out.returncode == 2
     assert "SPILLWAY_MAX_BODY_BYTES" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_both_postgres_url_spellings_are_accepted() -> None:
+    for url in ("postgres://u@h/db", "postgresql://u@h/db"):
+        assert Settings(database_url=url).database_url == url

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -37,9 +36,10 @@ class Live:
     raw_schema: dict
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    url = f"sqlite:///{Path(tmp_path_factory.mktemp('st')) / 'spillway.db'}"
+@pytest.fixture
+def live(db_url: str) -> Iterator[Live]:
+    """A real server on SQLite and on PostgreSQL (which refuses more: NUL in text, NaN in JSON)."""
+    url = db_url
     admin = make_keys(url)["admin"]
     headers = {"Authorization": f"Bearer {admin}"}
     with serving(create_app(Settings(database_url=url))) as base:

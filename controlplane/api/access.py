@@ -48,12 +48,18 @@ def agent_enrolment_router(kind: repo.ResourceKind[Any]) -> APIRouter:
         summary="Issue a new token for an agent; the old one stops working at once",
     )
     def rotate_token(
-        item_id: str, session: SessionDep, who: Admin, if_match: IfMatch = None, reason: Reason = None
+        item_id: str,
+        session: SessionDep,
+        who: Admin,
+        response: Response,
+        if_match: IfMatch = None,
+        reason: Reason = None,
     ) -> Any:
         row = repo.get_row(session, kind, item_id)
         repo.check_if_match(if_match, row)
         token = access.rotate_agent_token(session, row, actor_of(who, reason))
         session.commit()
+        response.headers["ETag"] = repo.etag(row)
         return {"agent": kind.read(row), "token": token}
 
     return router

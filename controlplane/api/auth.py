@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from controlplane.db.models import Agent, ApiKey, utcnow
@@ -47,16 +48,14 @@ def authenticate(session: Session, authorization: str | None) -> Principal:
         if key is None or key.revoked_at is not None or not secret_matches(cred.secret, key.key_hash):
             raise Unauthenticated("invalid or revoked API key")
         if key.last_used_at is None or now - key.last_used_at > _LAST_USED_RESOLUTION:
-            key.last_used_at = now
+            # A plain UPDATE: noting use is not an edit, so the key's version (its ETag) stays.
+            session.execute(update(ApiKey).where(ApiKey.id == key.id).values(last_used_at=now))
             session.commit()
         return Principal("key", key.id, key.name, key.role)
     assert cred.prefix == AGENT_TOKEN_PREFIX
     agent = session.get(Agent, cred.ident)
     if agent is None or not secret_matches(cred.secret, agent.token_hash):
         raise Unauthenticated("invalid agent token")
-    if agent.last_seen is None or now - agent.last_seen > _LAST_USED_RESOLUTION:
-        agent.last_seen = now
-        session.commit()
     return Principal("agent", agent.id, agent.name)
 
 
@@ -69,7 +68,15 @@ def authorize_role(principal: Principal, role: Role) -> Principal:
     return principal
 
 
-def authorize_agent(principal: Principal) -> Principal:
+def authorize_agent(session: Session, principal: Principal) -> Principal:
+    """Agent endpoints only; a call from the agent itself is what `last_seen` records."""
     if principal.kind != "agent":
         raise Forbidden("this endpoint is for agents: use the agent's token")
+    now = utcnow()
+    session.execute(
+        update(Agent)
+        .where(Agent.id == principal.id, (Agent.last_seen.is_(None)) | (Agent.last_seen < now - _LAST_USED_RESOLUTION))
+        .values(last_seen=now)
+    )
+    session.commit()
     return principal

@@ -9,8 +9,9 @@ from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from controlplane.api.auth import Principal, authenticate, authorize_agent, authorize_role
+from controlplane.api.auth import Principal, authorize_agent, authorize_role
 from controlplane.db.repository import Actor
+from controlplane.errors import Unauthenticated
 from controlplane.settings import Settings
 
 _bearer = HTTPBearer(auto_error=False, description="an operator API key or an agent token")
@@ -31,11 +32,13 @@ SettingsDep = Annotated[Settings, Depends(_settings)]
 
 
 def _principal(
-    request: Request,
-    session: SessionDep,
-    _scheme: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    request: Request, _scheme: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Principal:
-    return authenticate(session, request.headers.get("authorization"))
+    """Set by the `Authenticate` middleware; the bearer scheme is declared here for the OpenAPI schema."""
+    principal: Principal | None = getattr(request.state, "principal", None)
+    if principal is None:  # only if the middleware were removed: fail closed
+        raise Unauthenticated("missing credentials")
+    return principal
 
 
 def require_viewer(p: Annotated[Principal, Depends(_principal)]) -> Principal:
@@ -50,8 +53,8 @@ def require_admin(p: Annotated[Principal, Depends(_principal)]) -> Principal:
     return authorize_role(p, "admin")
 
 
-def require_agent(p: Annotated[Principal, Depends(_principal)]) -> Principal:
-    return authorize_agent(p)
+def require_agent(p: Annotated[Principal, Depends(_principal)], session: SessionDep) -> Principal:
+    return authorize_agent(session, p)
 
 
 Viewer = Annotated[Principal, Depends(require_viewer)]

@@ -41,6 +41,8 @@ def list_events(
     for name, bound in (("since", since), ("until", until)):
         if bound is not None and bound.tzinfo is None:
             raise ValidationFailed.field(name, "needs a time zone, e.g. 2026-11-30T08:00:00Z")
+        if bound is not None and not 1970 <= bound.year <= 9000:
+            raise ValidationFailed.field(name, "must be between the years 1970 and 9000")
     if since is not None:
         query = query.where(Event.ts >= since)
     if until is not None:

@@ -27,6 +27,9 @@ class BodyLimit:
         if scope["type"] != "http" or scope["path"].startswith(self.exempt_prefixes):
             await self.app(scope, receive, send)
             return
+        if "\x00" in scope["path"] or b"%00" in scope["query_string"].lower():
+            await self._send_error(send, 400, "bad_request", "NUL characters are not allowed in URLs", None)
+            return
         for name, value in scope["headers"]:
             if name == b"content-length":
                 try:
@@ -61,17 +64,16 @@ class BodyLimit:
                 await self._refuse(send)
 
     async def _refuse(self, send: Send) -> None:
-        body = json.dumps(
-            {
-                "error": "payload_too_large",
-                "message": f"request body exceeds {self.max_bytes} bytes (SPILLWAY_MAX_BODY_BYTES)",
-                "details": {"max_bytes": self.max_bytes},
-            }
-        ).encode()
+        message = f"request body exceeds {self.max_bytes} bytes (SPILLWAY_MAX_BODY_BYTES)"
+        await self._send_error(send, 413, "payload_too_large", message, {"max_bytes": self.max_bytes})
+
+    @staticmethod
+    async def _send_error(send: Send, status: int, code: str, message: str, details: object) -> None:
+        body = json.dumps({"error": code, "message": message, "details": details}).encode()
         await send(
             {
                 "type": "http.response.start",
-                "status": 413,
+                "status": status,
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),

@@ -15,7 +15,6 @@ from controlplane.db.models import Agent, Backend, Rule, Slo, utcnow
 from controlplane.db.repository import count
 
 log = logging.getLogger("spillway.controlplane")
-PROBES = ("/healthz", "/readyz")
 probes = APIRouter(tags=["probes"])
 router = APIRouter(prefix="/api/v1", tags=["status"])
 

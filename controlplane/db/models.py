@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Index, Integer, String, Text, TypeDecorator
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column
 
 
 def utcnow() -> datetime:
@@ -54,6 +54,12 @@ class Resource(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
+    # Every ORM update runs `UPDATE ... WHERE version = <read>` and bumps it: of two concurrent writers with
+    # the same If-Match, the second matches no row and gets 412 instead of silently overwriting the first.
+    @declared_attr.directive
+    def __mapper_args__(cls) -> dict[str, Any]:
+        return {"version_id_col": cls.version}
+
 
 class Agent(Resource):
     __tablename__ = "agents"
@@ -75,6 +81,8 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_used_at: Mapped[datetime | None] = mapped_column(default=None)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    __mapper_args__ = {"version_id_col": version}
 
 
 class Slo(Resource):

@@ -16,6 +16,7 @@ from pydantic import BaseModel, SecretStr, ValidationError
 from sqlalchemy import Select, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import StaleDataError
 
 from controlplane.db.models import Base, Event, Resource, utcnow
 from controlplane.errors import DuplicateName, NotFound, PreconditionFailed, ValidationFailed
@@ -42,6 +43,11 @@ class ResourceKind(Generic[Row]):
     create: type[BaseModel]
     read: Callable[[Row], BaseModel]
     write_only: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def label(self) -> str:
+        """How messages name it: 'SLO', 'rule', 'backend', 'agent'."""
+        return "SLO" if self.singular == "slo" else self.singular
 
     def values(self, body: BaseModel) -> dict[str, Any]:
         """Column values from a validated body; write-only fields the body left out are kept as stored."""
@@ -86,7 +92,7 @@ def decode_cursor(cursor: str, kind: type) -> Any:
         value = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
     except (binascii.Error, ValueError, UnicodeDecodeError):
         value = None
-    if not isinstance(value, kind):
+    if not isinstance(value, kind) or (isinstance(value, str) and "\x00" in value):
         raise ValidationFailed.field("cursor", "not a cursor this API returned; start again without it")
     return value
 
@@ -144,7 +150,7 @@ def _changes(kind: ResourceKind[Any], before: dict[str, Any], after: dict[str, A
 def get_row(session: Session, kind: ResourceKind[Row], ident: str) -> Row:
     row = session.get(kind.table, ident)
     if row is None:
-        raise NotFound(f"no {kind.singular} with id '{ident}'")
+        raise NotFound(f"no {kind.label} with id '{ident}'")
     return row
 
 
@@ -174,20 +180,23 @@ def _ensure_unique_name(session: Session, kind: ResourceKind[Any], name: str, id
     clash = session.scalar(select(kind.table.id).where(kind.table.name == name))
     if clash is not None and clash != ident:
         raise DuplicateName(
-            f"a {kind.singular} named '{name}' already exists",
-            details=[{"field": "name", "message": f"'{name}' is taken by {kind.singular} '{clash}'"}],
+            f"{kind.label} named '{name}' already exists",
+            details=[{"field": "name", "message": f"'{name}' is taken by {kind.label} '{clash}'"}],
         )
 
 
-def _flush(session: Session, kind: ResourceKind[Any], name: str) -> None:
+def flush(session: Session, label: str, name: str | None = None) -> None:
+    """Write pending changes; a lost race becomes the answer the caller would have got a moment later."""
     try:
         session.flush()
-    except IntegrityError as exc:  # a concurrent create won the race for the name
+    except IntegrityError as exc:  # a concurrent create or rename won the race for the name
         session.rollback()
         raise DuplicateName(
-            f"a {kind.singular} named '{name}' already exists",
-            details=[{"field": "name", "message": "taken"}],
+            f"{label} named '{name}' already exists", details=[{"field": "name", "message": "taken"}]
         ) from exc
+    except StaleDataError as exc:  # a concurrent writer changed the row between our read and our write
+        session.rollback()
+        raise PreconditionFailed(f"this {label} changed while you wrote it; GET it again and retry") from exc
 
 
 def create_row(
@@ -197,7 +206,7 @@ def create_row(
     _ensure_unique_name(session, kind, values["name"], None)
     row = kind.table(id=ident or new_ident(), version=1, **values, **extra)
     session.add(row)
-    _flush(session, kind, values["name"])
+    flush(session, kind.label, values["name"])
     shown = kind.read(row).model_dump(mode="json")
     record_event(
         session, kind=f"{kind.singular}.created", actor=actor, subject_type=kind.singular, subject_id=row.id,
@@ -216,9 +225,8 @@ def replace_row(
     before = {key: getattr(row, key) for key in values}
     for key, value in values.items():
         setattr(row, key, value)
-    row.version += 1
     row.updated_at = utcnow()
-    _flush(session, kind, values["name"])
+    flush(session, kind.label, values["name"])
     record_event(
         session, kind=f"{kind.singular}.updated", actor=actor, subject_type=kind.singular, subject_id=row.id,
         data={"name": values["name"], "changes": _changes(kind, before, values)}, **_event_links(kind, row),
@@ -258,6 +266,7 @@ def delete_row(session: Session, kind: ResourceKind[Row], ident: str, if_match: 
     check_if_match(if_match, row)
     name = row.name
     session.delete(row)
+    flush(session, kind.label, name)
     record_event(
         session, kind=f"{kind.singular}.deleted", actor=actor, subject_type=kind.singular, subject_id=ident,
         data={"name": name}, **_event_links(kind, row),

@@ -14,7 +14,7 @@ def make_engine(url: str) -> Engine:
     """An engine tuned per backend: SQLite gets WAL, foreign keys and a busy timeout."""
     url = normalise_url(url)
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, hide_parameters=True)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -26,7 +26,8 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # hide_parameters: a failed statement's log line must not carry secrets (e.g. a backend's auth header).
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, hide_parameters=True)
 
 
 def normalise_url(url: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime
 from typing import Annotated, Any, Generic, TypeVar
@@ -15,6 +16,7 @@ from pydantic import (
     StringConstraints,
     WithJsonSchema,
     create_model,
+    model_validator,
 )
 
 Name = Annotated[
@@ -101,10 +103,34 @@ Labels = Annotated[
 ]
 
 
-class Strict(BaseModel):
-    """Request bodies refuse fields they do not know: a typo is an error, not a silent no-op."""
+def _storable(value: Any, path: str = "") -> None:
+    """Refuse what a database cannot store faithfully: NUL characters (PostgreSQL text) and NaN/Infinity (JSON)."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError(f"{path or 'value'}: NUL characters are not allowed")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path or 'value'}: NaN and Infinity are not allowed")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _storable(key, path)
+            _storable(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _storable(item, f"{path}.{i}" if path else str(i))
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+class Strict(BaseModel):
+    """Request bodies refuse fields they do not know (a typo is an error, not a silent no-op) and values that
+    no database stores faithfully."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unstorable(cls, data: Any) -> Any:
+        _storable(data)
+        return data
 
 
 class Selector(Strict):

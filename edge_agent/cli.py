@@ -1,0 +1,58 @@
+"""`spillway agent ...` and `spillway models ...`: the edge agent's commands (no control-plane imports)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+agent_app = typer.Typer(help="Run the edge agent.", no_args_is_help=True)
+models_app = typer.Typer(help="Model repository tools.", no_args_is_help=True)
+
+
+@agent_app.command("serve")
+def serve(
+    model_repository: Annotated[Path | None, typer.Option(help="Triton-layout model repository")] = None,
+    host: Annotated[str | None, typer.Option(help="listen address (default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="listen port (default 8001)")] = None,
+    config: Annotated[Path | None, typer.Option(help="agent config YAML")] = None,
+    allow_unauthenticated: Annotated[
+        bool, typer.Option(help="serve beyond loopback without a token (not recommended)")
+    ] = False,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error")] = "info",
+) -> None:
+    """Serve the models of a repository over the Open Inference Protocol (KServe V2)."""
+    import logging
+
+    from pydantic import ValidationError
+
+    from edge_agent.config import AgentConfig
+    from edge_agent.runtime.config import ModelConfigError
+
+    try:
+        agent = AgentConfig.load(
+            config, model_repository=model_repository, host=host, port=port,
+            allow_unauthenticated=allow_unauthenticated or None,
+        )  # fmt: skip
+    except (ValidationError, ValueError, OSError) as exc:
+        typer.echo(f"error: invalid agent config: {exc}", err=True)
+        raise typer.Exit(2) from None
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from edge_agent.serving.server import build_registry, serve
+
+    try:
+        registry = build_registry(agent)
+    except ModelConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    serve(agent, registry=registry, log_level=log_level)
+
+
+@models_app.command("build-demo")
+def build_demo(out: Annotated[Path, typer.Option(help="where to write the model repository")]) -> None:
+    """Write the demo repository: model `mlp`, v1 full (512-4096-4096-1000) and v2 lite (512-1024-1024-1000)."""
+    from edge_agent.runtime.demo_models import build_demo_repository
+
+    root = build_demo_repository(out)
+    typer.echo(str(root))
