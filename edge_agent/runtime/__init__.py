@@ -1,0 +1,50 @@
+"""Model repository (Triton layout), onnxruntime runner, warm-up compute profiles and the GPU memory check.
+
+Importing this package does not import onnxruntime; building an `OrtRunner` does.
+"""
+
+from __future__ import annotations
+
+from edge_agent.runtime.config import ModelConfigError, load_model_config
+from edge_agent.runtime.demo_models import DEMO_VARIANTS, DemoVariant, build_demo_repository
+from edge_agent.runtime.gpu import GpuMemoryError, check_fits, free_gpu_memory
+from edge_agent.runtime.profile import ComputeProfile, warmup_batch_sizes
+from edge_agent.runtime.repository import Repository, UnknownModelError, load_model, load_repository
+from edge_agent.runtime.runner import NUMPY_DTYPES, OrtRunner, RunnerError, choose_providers
+from edge_agent.runtime.spec import (
+    V2_DATATYPES,
+    DynamicBatching,
+    ModelConfig,
+    ModelVersion,
+    QueuePolicy,
+    TensorSpec,
+    VersionPolicy,
+)
+
+__all__ = [
+    "DEMO_VARIANTS",
+    "NUMPY_DTYPES",
+    "V2_DATATYPES",
+    "ComputeProfile",
+    "DemoVariant",
+    "DynamicBatching",
+    "GpuMemoryError",
+    "ModelConfig",
+    "ModelConfigError",
+    "ModelVersion",
+    "OrtRunner",
+    "QueuePolicy",
+    "Repository",
+    "RunnerError",
+    "TensorSpec",
+    "UnknownModelError",
+    "VersionPolicy",
+    "build_demo_repository",
+    "check_fits",
+    "choose_providers",
+    "free_gpu_memory",
+    "load_model",
+    "load_model_config",
+    "load_repository",
+    "warmup_batch_sizes",
+]

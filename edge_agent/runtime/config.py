@@ -1,0 +1,304 @@
+"""Read a model's Triton config (`config.pbtxt` or `config.yaml`) with Triton's own protobuf messages.
+
+Parsing goes through `inference.ModelConfig` from the tritonclient wheel, so a field Triton does not know is
+refused exactly as Triton would; the result is normalised into `spec.ModelConfig`, and anything the agent
+cannot honour is refused at load with a `ModelConfigError` naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+import yaml
+from google.protobuf import json_format, text_format
+
+from edge_agent.runtime.spec import (
+    DynamicBatching,
+    ModelConfig,
+    QueuePolicy,
+    TensorSpec,
+    VersionPolicy,
+)
+
+CONFIG_FILENAMES = ("config.pbtxt", "config.yaml")
+
+# platform -> the model file each version directory must hold
+MODEL_FILENAMES = {"onnxruntime_onnx": "model.onnx", "tensorrt_plan": "model.plan"}
+_BACKEND_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
+
+# Triton's DataType enum name -> V2 datatype (TYPE_STRING travels as BYTES in the V2 protocol)
+TRITON_DATATYPES = {
+    "TYPE_BOOL": "BOOL",
+    "TYPE_UINT8": "UINT8",
+    "TYPE_UINT16": "UINT16",
+    "TYPE_UINT32": "UINT32",
+    "TYPE_UINT64": "UINT64",
+    "TYPE_INT8": "INT8",
+    "TYPE_INT16": "INT16",
+    "TYPE_INT32": "INT32",
+    "TYPE_INT64": "INT64",
+    "TYPE_FP16": "FP16",
+    "TYPE_FP32": "FP32",
+    "TYPE_FP64": "FP64",
+    "TYPE_STRING": "BYTES",
+    "TYPE_BF16": "BF16",
+}
+
+# A sanity cap: the scheduler keeps one queue per level.
+MAX_PRIORITY_LEVELS = 1024
+
+# ModelConfig fields that change what a request means or how it is run, which the agent does not implement.
+# Fields that are only hints (optimization, parameters, model_warmup, metric_tags, model_metrics) are accepted.
+_UNSUPPORTED_FIELDS = (
+    "runtime",
+    "batch_input",
+    "batch_output",
+    "sequence_batching",
+    "ensemble_scheduling",
+    "default_model_filename",
+    "cc_model_filenames",
+    "model_operations",
+    "model_transaction_policy",
+    "model_repository_agents",
+    "response_cache",
+)
+_UNSUPPORTED_TENSOR_FIELDS = ("reshape", "is_shape_tensor", "allow_ragged_batch", "optional", "is_non_linear_format_io")
+_UNSUPPORTED_INSTANCE_FIELDS = ("rate_limiter", "gpus", "secondary_devices", "profile", "passive", "host_policy")
+
+
+class ModelConfigError(ValueError):
+    """A model config or model file the agent refuses to serve; the message names the file and the field."""
+
+
+_Refuse = Callable[[str, str], ModelConfigError]
+
+
+@functools.cache
+def model_config_pb2() -> ModuleType:
+    """Triton's `model_config_pb2`, loaded from the tritonclient wheel by file so that grpc is not needed."""
+    spec = importlib.util.find_spec("tritonclient")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / "grpc" / "model_config_pb2.py"
+        if path.is_file():
+            module_spec = importlib.util.spec_from_file_location("_spillway_triton_model_config_pb2", path)
+            if module_spec is None or module_spec.loader is None:
+                break
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+            return module
+    raise ImportError("Triton's model config messages come from the `tritonclient` package: pip install tritonclient")
+
+
+def find_config_file(model_dir: Path) -> Path:
+    """The one config file in `model_dir`; two (ambiguous) or none (auto-complete is not supported) is refused."""
+    found = [model_dir / name for name in CONFIG_FILENAMES if (model_dir / name).is_file()]
+    if len(found) > 1:
+        raise ModelConfigError(f"{model_dir}: both {found[0].name} and {found[1].name} exist; keep one")
+    if not found:
+        raise ModelConfigError(
+            f"{model_dir}: no model config ({' or '.join(CONFIG_FILENAMES)}); the agent does not auto-complete "
+            "configs from the model file, so write one in Triton's model config format"
+        )
+    return found[0]
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    """Parse, validate and normalise the config of the model in `model_dir` (its name is the directory's)."""
+    path = find_config_file(model_dir)
+    message = parse_config_file(path)
+    return to_model_config(message, path, expected_name=model_dir.name)
+
+
+def parse_config_file(path: Path) -> Any:
+    """Parse `path` into Triton's `inference.ModelConfig` message, refusing unknown fields and bad values."""
+    message = model_config_pb2().ModelConfig()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelConfigError(f"{path}: cannot read the model config: {exc}") from exc
+    if path.suffix == ".pbtxt":
+        try:
+            text_format.Parse(text, message)
+        except text_format.ParseError as exc:
+            raise ModelConfigError(_describe_text_error(path, exc)) from exc
+        return message
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ModelConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(document, dict):
+        raise ModelConfigError(f"{path}: the model config must be a mapping of Triton's ModelConfig fields")
+    try:
+        json_format.ParseDict(document, message)
+    except json_format.ParseError as exc:
+        # The first line names the field and where it sits; the rest lists every valid field, which is noise here.
+        raise ModelConfigError(f"{path}: {str(exc).splitlines()[0]}") from exc
+    return message
+
+
+def _describe_text_error(path: Path, exc: text_format.ParseError) -> str:
+    line, column = exc.GetLine(), exc.GetColumn()
+    detail = str(exc)
+    if line is None:
+        return f"{path}: {detail}"
+    prefix = f"{line}:{column} : "
+    detail = detail.removeprefix(prefix)
+    return f"{path}:{line}:{column}: {detail}"
+
+
+def to_model_config(message: Any, source: Path, *, expected_name: str) -> ModelConfig:
+    """Normalise a parsed `inference.ModelConfig` into `spec.ModelConfig`, refusing what the agent can't honour."""
+
+    def refuse(field: str, why: str) -> ModelConfigError:
+        return ModelConfigError(f"{source}: field '{field}': {why}")
+
+    for field in _UNSUPPORTED_FIELDS:
+        if _is_set(message, field):
+            raise refuse(field, "not supported by the Spillway agent")
+    if message.name and message.name != expected_name:
+        raise refuse("name", f"{message.name!r} differs from the model directory's name {expected_name!r}")
+    platform = _platform(message, refuse)
+    if message.max_batch_size < 0:
+        raise refuse("max_batch_size", f"{message.max_batch_size} is negative")
+    inputs = _tensors(message.input, "input", refuse)
+    outputs = _tensors(message.output, "output", refuse)
+    if not inputs:
+        raise refuse("input", "the config declares no inputs")
+    if not outputs:
+        raise refuse("output", "the config declares no outputs")
+    batching = message.dynamic_batching if message.HasField("dynamic_batching") else None
+    return ModelConfig(
+        name=expected_name,
+        platform=platform,
+        max_batch_size=message.max_batch_size,
+        inputs=inputs,
+        outputs=outputs,
+        dynamic_batching=None if batching is None else _dynamic_batching(batching, message.max_batch_size, refuse),
+        instance_count=_instance_count(message.instance_group, refuse),
+        version_policy=_version_policy(message.version_policy, refuse),
+        source=source,
+    )
+
+
+def _is_set(message: Any, field: str) -> bool:
+    value = getattr(message, field)
+    if isinstance(value, bool | int | str):
+        return bool(value)
+    if hasattr(value, "ListFields"):
+        return bool(message.HasField(field))
+    return len(value) > 0
+
+
+def _platform(message: Any, refuse: _Refuse) -> str:
+    platform, backend = message.platform, message.backend
+    if backend and backend not in _BACKEND_PLATFORMS:
+        raise refuse("backend", f"{backend!r} is not supported; use one of {sorted(_BACKEND_PLATFORMS)}")
+    if platform and platform not in MODEL_FILENAMES:
+        raise refuse("platform", f"{platform!r} is not supported; use one of {sorted(MODEL_FILENAMES)}")
+    if backend and platform and _BACKEND_PLATFORMS[backend] != platform:
+        raise refuse("backend", f"backend {backend!r} does not run platform {platform!r}")
+    if not platform and not backend:
+        raise refuse("platform", f"set platform (one of {sorted(MODEL_FILENAMES)}) or backend")
+    return platform or _BACKEND_PLATFORMS[backend]
+
+
+def _tensors(tensors: Iterable[Any], field: str, refuse: _Refuse) -> tuple[TensorSpec, ...]:
+    specs: list[TensorSpec] = []
+    names: set[str] = set()
+    datatype_enum = model_config_pb2().DataType
+    for tensor in tensors:
+        where = f"{field}[{tensor.name or len(specs)}]"
+        if not tensor.name:
+            raise refuse(f"{where}.name", "every tensor needs a name")
+        if tensor.name in names:
+            raise refuse(f"{where}.name", f"{tensor.name!r} is declared twice")
+        names.add(tensor.name)
+        for unsupported in _UNSUPPORTED_TENSOR_FIELDS:
+            if hasattr(tensor, unsupported) and _is_set(tensor, unsupported):
+                raise refuse(f"{where}.{unsupported}", "not supported by the Spillway agent")
+        triton_type = datatype_enum.Name(tensor.data_type)
+        if triton_type not in TRITON_DATATYPES:
+            raise refuse(f"{where}.data_type", f"{triton_type} is not a datatype a tensor can have")
+        if not tensor.dims:
+            raise refuse(f"{where}.dims", "must list the dimensions (without the batch dimension when batching)")
+        for dim in tensor.dims:
+            if dim == 0 or dim < -1:
+                raise refuse(f"{where}.dims", f"{list(tensor.dims)}: each dimension is >= 1, or -1 for variable")
+        specs.append(TensorSpec(name=tensor.name, datatype=TRITON_DATATYPES[triton_type], shape=tuple(tensor.dims)))
+    return tuple(specs)
+
+
+def _dynamic_batching(batching: Any, max_batch_size: int, refuse: _Refuse) -> DynamicBatching:
+    field = "dynamic_batching"
+    if batching.preserve_ordering:
+        raise refuse(f"{field}.preserve_ordering", "not supported: responses leave as their batches finish")
+    for size in batching.preferred_batch_size:
+        if not 1 <= size <= max_batch_size:
+            raise refuse(f"{field}.preferred_batch_size", f"{size} is outside 1..max_batch_size ({max_batch_size})")
+    levels = batching.priority_levels
+    if levels > MAX_PRIORITY_LEVELS:
+        raise refuse(f"{field}.priority_levels", f"{levels} is more than the agent's {MAX_PRIORITY_LEVELS}")
+    default_level = batching.default_priority_level
+    if levels > 0 and not 1 <= default_level <= levels:
+        raise refuse(f"{field}.default_priority_level", f"{default_level} is outside 1..priority_levels ({levels})")
+    if levels == 0 and default_level != 0:
+        raise refuse(f"{field}.default_priority_level", f"{default_level} is set but priority_levels is 0")
+    per_level: dict[int, QueuePolicy] = {}
+    for level, policy in sorted(batching.priority_queue_policy.items()):
+        if not 1 <= level <= levels:
+            raise refuse(f"{field}.priority_queue_policy", f"level {level} is outside 1..priority_levels ({levels})")
+        per_level[level] = _queue_policy(policy)
+    return DynamicBatching(
+        preferred_batch_sizes=tuple(sorted(set(batching.preferred_batch_size))),
+        max_queue_delay_us=batching.max_queue_delay_microseconds,
+        priority_levels=levels,
+        default_priority_level=default_level,
+        default_queue_policy=_queue_policy(batching.default_queue_policy),
+        priority_queue_policy=per_level,
+    )
+
+
+def _queue_policy(policy: Any) -> QueuePolicy:
+    action: Literal["REJECT", "DELAY"] = "DELAY" if policy.timeout_action == policy.DELAY else "REJECT"
+    return QueuePolicy(
+        timeout_action=action,
+        default_timeout_us=policy.default_timeout_microseconds,
+        allow_timeout_override=policy.allow_timeout_override,
+        max_queue_size=policy.max_queue_size,
+    )
+
+
+def _instance_count(groups: Iterable[Any], refuse: _Refuse) -> int:
+    total = 0
+    for index, group in enumerate(groups):
+        for unsupported in _UNSUPPORTED_INSTANCE_FIELDS:
+            if _is_set(group, unsupported):
+                raise refuse(f"instance_group[{index}].{unsupported}", "not supported by the Spillway agent")
+        if group.count < 0:
+            raise refuse(f"instance_group[{index}].count", f"{group.count} is negative")
+        total += max(group.count, 1)  # Triton's meaning: an unset count is one instance
+    return max(total, 1)
+
+
+def _version_policy(policy: Any, refuse: _Refuse) -> VersionPolicy:
+    choice = policy.WhichOneof("policy_choice")
+    if choice == "all":
+        return VersionPolicy(kind="all")
+    if choice == "specific":
+        versions = tuple(policy.specific.versions)
+        if not versions:
+            raise refuse("version_policy.specific.versions", "lists no versions")
+        if any(v < 0 for v in versions):
+            raise refuse("version_policy.specific.versions", f"{list(versions)}: versions are >= 0")
+        return VersionPolicy(kind="specific", versions=tuple(sorted(set(versions))))
+    if choice == "latest":
+        if policy.latest.num_versions < 1:
+            raise refuse("version_policy.latest.num_versions", "must be at least 1")
+        return VersionPolicy(kind="latest", latest_n=policy.latest.num_versions)
+    return VersionPolicy()

@@ -1,0 +1,51 @@
+"""Free GPU memory through NVML, when a GPU and nvidia-ml-py are present, to refuse a model that would not fit.
+
+Refusing at load gives a clear error; loading anyway gives an out-of-memory error later, under traffic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+MiB = 2**20
+
+
+class GpuMemoryError(RuntimeError):
+    """A model would not fit in the GPU memory that is free (or in the arena it is allowed)."""
+
+
+def free_gpu_memory(device_id: int = 0) -> int | None:
+    """Free bytes on GPU `device_id`, or None when that cannot be known (no NVML, no GPU); never raises."""
+    try:
+        import pynvml  # nvidia-ml-py: optional, only on GPU devices
+    except Exception:  # an ImportError, or a broken install
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError: no driver or no GPU
+        return None
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device_id)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+    except Exception:  # NVMLError: no such device, or not supported (some Jetson boards)
+        return None
+    finally:
+        with contextlib.suppress(Exception):  # shutting down a probe that already answered must not fail the caller
+            pynvml.nvmlShutdown()
+
+
+def check_fits(model_bytes: int, device_id: int = 0, headroom: int = 256 * MiB) -> int | None:
+    """Raise GpuMemoryError unless `model_bytes` plus `headroom` bytes are free on the GPU.
+
+    Returns the free bytes measured, or None when free memory cannot be measured (then nothing is refused).
+    """
+    free = free_gpu_memory(device_id)
+    if free is None:
+        return None
+    needed = model_bytes + headroom
+    if needed > free:
+        raise GpuMemoryError(
+            f"GPU {device_id}: the model needs about {model_bytes / MiB:.0f} MiB plus {headroom / MiB:.0f} MiB "
+            f"headroom, but only {free / MiB:.0f} MiB are free; free memory or serve a lighter variant"
+        )
+    return free

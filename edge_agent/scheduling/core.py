@@ -1,0 +1,344 @@
+"""The scheduler's decisions as a plain synchronous class: admission, priority queues and dynamic batching.
+
+Nothing here sleeps, awaits or reads a clock: every method takes `now` (seconds, monotonic), so tests drive
+it with an injected clock and the asyncio shell (`worker.py`) only moves requests in and results out.
+
+A batch leaves when (first that holds):
+  1. it is full (max batch size, or the largest preferred size);
+  2. the tightest deadline in it has no slack left (deadline - now - predicted compute time <= 0);
+  3. the batch window (max queue delay, from the oldest request in it) has ended;
+  4. waiting is not expected to grow it: the arrivals measured while earlier batches waited, over what is
+     left of the window, come to less than one request.
+While every instance is busy nothing leaves; the queue itself is then where the next batch forms.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+
+class Predictor(Protocol):
+    """Predicted compute seconds for a batch of `rows` rows (a warm-up profile refined online)."""
+
+    def predict(self, batch_size: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class LevelPolicy:
+    """One priority level's queue policy (Triton's ModelQueuePolicy)."""
+
+    max_queue_size: int = 0  # requests; 0: bounded only by the scheduler's overall cap
+    default_timeout_s: float = 0.0  # 0: no deadline unless the request brings one
+    allow_timeout_override: bool = True
+    timeout_action: Literal["REJECT", "DELAY"] = "REJECT"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 1  # rows; 1 (or a model without batching) means one request per batch
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_s: float = 0.0
+    levels: tuple[LevelPolicy, ...] = (LevelPolicy(),)  # index 0 is priority level 1, the highest
+    default_level: int = 1
+    instances: int = 1
+    max_queued_requests: int = 4096  # overall cap, so that memory stays bounded whatever the config says
+    aging_s: float | None = None  # a request waiting this long is served as if at the highest level
+    merge: bool = True  # False: one request per batch (a model without dynamic batching, as in Triton)
+    wait_gain_alpha: float = 0.2  # EWMA weight of the arrival rate measured while waiting
+    probe_every: int = 200  # re-measure the arrival rate with one wait after this many dispatches without
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if not 1 <= self.default_level <= len(self.levels):
+            raise ValueError(f"default_level must be within 1..{len(self.levels)}")
+        if self.instances < 1:
+            raise ValueError("instances must be >= 1")
+
+
+@dataclass(eq=False)
+class Pending:
+    """A request the scheduler holds: its rows, its level and deadline, and an opaque payload for the shell."""
+
+    rows: int
+    level: int
+    arrival: float
+    deadline: float | None
+    payload: Any = None
+    seq: int = 0
+    timeout_action: Literal["REJECT", "DELAY"] = "REJECT"
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: Literal["queue_full", "deadline_unmeetable", "draining", "timeout"]
+    message: str
+    retry_after_s: float
+
+
+@dataclass(frozen=True)
+class Batch:
+    id: int
+    requests: tuple[Pending, ...]
+    rows: int
+    started: float
+    predicted_s: float
+
+
+@dataclass(frozen=True)
+class Step:
+    """What to do now: batches to run, requests whose deadline passed in the queue, and when to look again."""
+
+    dispatch: tuple[Batch, ...] = ()
+    expired: tuple[Pending, ...] = ()
+    wake_at: float | None = None
+
+
+@dataclass
+class _Level:
+    policy: LevelPolicy
+    queue: deque[Pending] = field(default_factory=deque)
+    rows: int = 0
+
+
+class Scheduler:
+    """Priority queues + deadline-aware admission + dynamic batching for one model version."""
+
+    def __init__(self, config: SchedulerConfig, predictor: Predictor) -> None:
+        self.config = config
+        self.predictor = predictor
+        self._levels = [_Level(p) for p in config.levels]
+        self._queued = 0
+        self._seq = itertools.count(1)
+        self._batch_ids = itertools.count(1)
+        self._running: dict[int, Batch] = {}
+        self._draining = False
+        self._target = max(config.preferred_batch_sizes, default=config.max_batch_size)
+        self._target = min(self._target, config.max_batch_size)
+        # Arrival rate (requests/s) observed while a batch waited for more; starts optimistic.
+        self._wait_rate: float | None = None
+        self._waiting_since: float | None = None
+        self._waiting_seen = 0
+        self._last_arrival = 0.0
+        self._since_probe = 0
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def resolve_level(self, priority: int) -> int:
+        """Triton's meaning: 0 is the default level; 1..N are levels; anything else is invalid."""
+        if priority == 0:
+            return self.config.default_level
+        if not 1 <= priority <= len(self._levels):
+            raise ValueError(f"priority must be 0 (default) or 1..{len(self._levels)}, got {priority}")
+        return priority
+
+    def deadline_for(self, level: int, now: float, timeout_s: float | None) -> float | None:
+        """The request's deadline from its `timeout` and its level's policy (override only to shorten)."""
+        policy = self._levels[level - 1].policy
+        default = policy.default_timeout_s or None
+        chosen: float | None
+        if timeout_s is not None and timeout_s > 0 and policy.allow_timeout_override:
+            chosen = timeout_s if default is None else min(timeout_s, default)
+        else:
+            chosen = default
+        return None if chosen is None else now + chosen
+
+    def predict_completion(self, level: int, rows: int, now: float) -> float:
+        """Seconds from now until a new request at `level` would be answered, with what is queued and running."""
+        ahead = sum(lv.rows for lv in self._levels[:level])
+        busy = sorted(max(0.0, b.started + b.predicted_s - now) for b in self._running.values())
+        free_at = 0.0 if len(busy) < self.config.instances else busy[0]
+        size = self.config.max_batch_size
+        full_batches, rest = divmod(ahead + rows, size)
+        if rest == 0:
+            full_batches, rest = full_batches - 1, size
+        per_instance = full_batches / self.config.instances
+        return free_at + per_instance * self.predictor.predict(size) + self.predictor.predict(rest)
+
+    def admit(self, request: Pending, now: float) -> Rejection | None:
+        """Queue the request, or say at once why not: draining, queue full, or a deadline it cannot meet."""
+        if self._draining:
+            return Rejection("draining", "the agent is shutting down", 1.0)
+        if not 1 <= request.rows <= self.config.max_batch_size:
+            raise ValueError(f"a request of {request.rows} rows does not fit a batch of {self.config.max_batch_size}")
+        level = self._levels[request.level - 1]
+        full_level = 0 < level.policy.max_queue_size <= len(level.queue)
+        if full_level or self._queued >= self.config.max_queued_requests:
+            return Rejection(
+                "queue_full", f"priority {request.level} queue is full", self._retry_after(request.level, now)
+            )
+        if request.deadline is not None:
+            predicted = self.predict_completion(request.level, request.rows, now)
+            if now + predicted > request.deadline:
+                budget_ms = (request.deadline - now) * 1e3
+                return Rejection(
+                    "deadline_unmeetable",
+                    f"predicted completion in {predicted * 1e3:.1f} ms exceeds the {budget_ms:.1f} ms deadline",
+                    self._retry_after(request.level, now),
+                )
+        request.seq = next(self._seq)
+        request.timeout_action = level.policy.timeout_action
+        level.queue.append(request)
+        level.rows += request.rows
+        self._queued += 1
+        if self._waiting_since is not None:
+            self._waiting_seen += 1
+            self._last_arrival = now
+        return None
+
+    def _retry_after(self, level: int, now: float) -> float:
+        return max(1.0, math.ceil(self.predict_completion(level, 0, now)))
+
+    # ---- batching ----------------------------------------------------------------------------
+
+    def step(self, now: float) -> Step:
+        """Decide what leaves the queues now."""
+        expired = self._expire(now)
+        dispatch: list[Batch] = []
+        wake_at: float | None = None
+        while len(self._running) < self.config.instances and self._queued:
+            chosen = self._candidate(now)
+            rows = sum(r.rows for r in chosen)
+            go, wake = self._ready(chosen, rows, now)
+            if not go:
+                wake_at = wake
+                break
+            dispatch.append(self._take(chosen, rows, now))
+        deadlines = [r.deadline for lv in self._levels for r in lv.queue if r.deadline is not None]
+        if deadlines:
+            first = min(deadlines)
+            wake_at = first if wake_at is None else min(wake_at, first)
+        return Step(tuple(dispatch), tuple(expired), wake_at)
+
+    def complete(self, batch_id: int, now: float) -> Batch:
+        """A batch finished (well or not): its instance is free again."""
+        return self._running.pop(batch_id)
+
+    def _expire(self, now: float) -> list[Pending]:
+        expired: list[Pending] = []
+        lowest = self._levels[-1]
+        for level in self._levels:
+            if not any(r.deadline is not None and r.deadline <= now for r in level.queue):
+                continue
+            keep: deque[Pending] = deque()
+            for req in level.queue:
+                if req.deadline is None or req.deadline > now:
+                    keep.append(req)
+                elif req.timeout_action == "DELAY" and level is not lowest:
+                    req.deadline = None  # Triton's DELAY: served later, at the lowest level
+                    lowest.queue.append(req)
+                    lowest.rows += req.rows
+                    level.rows -= req.rows
+                else:
+                    expired.append(req)
+                    level.rows -= req.rows
+                    self._queued -= 1
+            level.queue = keep
+        return expired
+
+    def _candidate(self, now: float) -> list[Pending]:
+        """Highest levels first, FIFO within a level, whole requests only, up to max batch rows."""
+        order: Iterable[Pending] = (r for lv in self._levels for r in lv.queue)
+        if self.config.aging_s is not None:
+            aged = [r for lv in self._levels[1:] for r in lv.queue if now - r.arrival >= self.config.aging_s]
+            if aged:
+                order = itertools.chain(sorted(aged, key=lambda r: r.seq), (r for r in order if r not in aged))
+        chosen: list[Pending] = []
+        rows = 0
+        for req in order:
+            if rows + req.rows > self.config.max_batch_size:
+                if chosen:
+                    break
+                continue  # larger than a batch: refused at validation, never queued in practice
+            chosen.append(req)
+            rows += req.rows
+            if rows == self.config.max_batch_size or not self.config.merge:
+                break
+        return self._trim_to_preferred(chosen, rows)
+
+    def _trim_to_preferred(self, chosen: list[Pending], rows: int) -> list[Pending]:
+        """Triton's rule: when more is queued than a preferred size, send the largest preferred size it fills."""
+        fitting = [p for p in self.config.preferred_batch_sizes if p <= rows]
+        if not fitting or max(fitting) == rows:
+            return chosen
+        limit, total = max(fitting), 0
+        for i, req in enumerate(chosen):
+            if total + req.rows > limit:
+                return chosen[:i]
+            total += req.rows
+        return chosen
+
+    def _ready(self, chosen: list[Pending], rows: int, now: float) -> tuple[bool, float | None]:
+        if not chosen:
+            return False, None
+        if rows >= self._target or self.config.max_queue_delay_s <= 0 or not self.config.merge:
+            return True, None
+        predicted = self.predictor.predict(rows)
+        slack_end = min((r.deadline - predicted for r in chosen if r.deadline is not None), default=math.inf)
+        window_end = min(r.arrival for r in chosen) + self.config.max_queue_delay_s
+        end = min(slack_end, window_end)
+        if now >= end:
+            return True, None
+        if self._waiting_since is None:
+            if not self._worth_waiting(end - now):
+                return True, None
+            self._waiting_since, self._waiting_seen, self._last_arrival = now, 0, now
+        # A burst has ended when no request came for twice the expected gap: stop waiting then.
+        gap = 1.0 / self._wait_rate if self._wait_rate else self.config.max_queue_delay_s
+        quiet_end = self._last_arrival + 2 * gap
+        if now >= quiet_end:
+            return True, None
+        return False, min(end, quiet_end)
+
+    def _worth_waiting(self, remaining: float) -> bool:
+        """Wait only while the arrivals seen during earlier waits say another request is likely to come."""
+        self._since_probe += 1
+        if self._wait_rate is None or self._since_probe >= self.config.probe_every:
+            self._since_probe = 0
+            return True
+        return self._wait_rate * remaining >= 1.0
+
+    def _take(self, chosen: list[Pending], rows: int, now: float) -> Batch:
+        if self._waiting_since is not None:
+            waited = now - self._waiting_since
+            if waited > 0:
+                rate = self._waiting_seen / waited
+                a = self.config.wait_gain_alpha
+                self._wait_rate = rate if self._wait_rate is None else (1 - a) * self._wait_rate + a * rate
+            self._waiting_since = None
+        taken = set(map(id, chosen))
+        for level in self._levels:
+            if any(id(r) in taken for r in level.queue):
+                level.queue = deque(r for r in level.queue if id(r) not in taken)
+                level.rows = sum(r.rows for r in level.queue)
+        self._queued -= len(chosen)
+        batch = Batch(next(self._batch_ids), tuple(chosen), rows, now, self.predictor.predict(rows))
+        self._running[batch.id] = batch
+        return batch
+
+    # ---- lifecycle and introspection ---------------------------------------------------------
+
+    def drain(self) -> None:
+        """Stop admitting; what is queued still runs."""
+        self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def idle(self) -> bool:
+        return self._queued == 0 and not self._running
+
+    def depth(self) -> list[int]:
+        """Queued requests per level (index 0 = priority 1)."""
+        return [len(lv.queue) for lv in self._levels]
+
+    @property
+    def wait_rate(self) -> float | None:
+        return self._wait_rate

@@ -1,0 +1,74 @@
+"""Per-model counters in Triton's statistics shape, plus outcomes per priority for the demo and metrics."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class _Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.ns += int(seconds * 1e9)
+
+    def json(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class ModelStats:
+    """What `/v2/models/{m}/stats` reports (Triton's field names), updated only on the event loop."""
+
+    success: _Duration = field(default_factory=_Duration)
+    fail: _Duration = field(default_factory=_Duration)
+    queue: _Duration = field(default_factory=_Duration)
+    compute_infer: _Duration = field(default_factory=_Duration)
+    inference_count: int = 0  # requests served (Triton counts rows; see `rows`)
+    rows: int = 0
+    execution_count: int = 0  # batches run
+    last_inference_ms: int = 0
+    batches: dict[int, _Duration] = field(default_factory=dict)
+    outcomes: Counter[tuple[int, str]] = field(default_factory=Counter)
+
+    def outcome(self, priority: int, outcome: str) -> None:
+        self.outcomes[(priority, outcome)] += 1
+
+    def request(self, priority: int, outcome: str, queue_s: float, compute_s: float, total_s: float) -> None:
+        self.outcome(priority, outcome)
+        (self.success if outcome == "local" else self.fail).add(total_s)
+        self.queue.add(queue_s)
+        if outcome == "local":
+            self.inference_count += 1
+
+    def batch(self, rows: int, compute_s: float, ok: bool) -> None:
+        self.execution_count += 1
+        self.last_inference_ms = int(time.time() * 1000)
+        if ok:
+            self.rows += rows
+            self.compute_infer.add(compute_s)
+            self.batches.setdefault(rows, _Duration()).add(compute_s)
+
+    def json(self, name: str, version: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "version": version,
+            "last_inference": self.last_inference_ms,
+            "inference_count": self.rows,
+            "execution_count": self.execution_count,
+            "inference_stats": {
+                "success": self.success.json(),
+                "fail": self.fail.json(),
+                "queue": self.queue.json(),
+                "compute_infer": self.compute_infer.json(),
+            },
+            "batch_stats": [
+                {"batch_size": size, "compute_infer": d.json()} for size, d in sorted(self.batches.items())
+            ],
+            "outcomes": [{"priority": p, "outcome": o, "count": n} for (p, o), n in sorted(self.outcomes.items())],
+        }

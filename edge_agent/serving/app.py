@@ -1,0 +1,248 @@
+"""The Open Inference Protocol (KServe V2) over HTTP, as a plain ASGI app: lean enough to add well under
+a millisecond to a request, with Triton's status codes and error shape."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from edge_agent import __version__
+from edge_agent.scheduling.worker import ExecutionFailed, Refused
+from edge_agent.serving.models import ModelRegistry, UnknownModel
+from edge_agent.serving.tensors import TensorError, decode_request, encode_error, encode_response, validate_inputs
+
+Scope = dict[str, Any]
+Receive = Any
+Send = Any
+
+_UNAUTHENTICATED = {"/v2/health/live"}
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class ClientGone(Exception):
+    pass
+
+
+class InferenceApp:
+    """Routes `/v2/...`; inference goes to each model's worker."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        *,
+        token: str | None = None,
+        max_body_bytes: int = 64 << 20,
+        allow_non_finite: bool = True,
+    ) -> None:
+        self.registry = registry
+        self.token = token.encode() if token else None
+        self.max_body_bytes = max_body_bytes
+        self.allow_non_finite = allow_non_finite
+        self.ready = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        headers = dict(scope["headers"])
+        if self.token is not None and path not in _UNAUTHENTICATED and not self._authorised(headers):
+            await _respond(send, 401, encode_error("missing or invalid bearer token"),
+                           extra=[(b"www-authenticate", b"Bearer")])  # fmt: skip
+            return
+        method: str = scope["method"]
+        try:
+            if method == "POST" and path.endswith("/infer"):
+                await self._infer(path, headers, receive, send)
+            elif method in ("GET", "HEAD"):
+                await self._get(path, send)
+            else:
+                await _respond(send, 405, encode_error(f"method {method} not allowed on {path}"))
+        except UnknownModel as exc:
+            await _respond(send, 404, encode_error(str(exc)))
+
+    def _authorised(self, headers: dict[bytes, bytes]) -> bool:
+        value = headers.get(b"authorization", b"")
+        scheme, _, token = value.partition(b" ")
+        assert self.token is not None
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.token)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # ---- metadata, health, statistics ------------------------------------------------------------
+
+    async def _get(self, path: str, send: Send) -> None:
+        parts = path.strip("/").split("/")
+        if parts == ["v2"]:
+            body = {"name": "spillway-edge-agent", "version": __version__,
+                    "extensions": ["binary_tensor_data", "statistics", "parameters"]}  # fmt: skip
+            await _respond_json(send, 200, body)
+        elif parts == ["v2", "health", "live"]:
+            await _respond_json(send, 200, {"live": True})
+        elif parts == ["v2", "health", "ready"]:
+            await _respond_json(send, 200 if self.ready else 503, {"ready": self.ready})
+        elif parts == ["v2", "models", "stats"]:
+            stats = [m.worker.stats.json(m.config.name, str(m.version)) for m in self.registry.all()]
+            await _respond_json(send, 200, {"model_stats": stats})
+        elif len(parts) >= 3 and parts[:2] == ["v2", "models"]:
+            name, version, rest = _model_path(parts[2:])
+            model = self.registry.get(name, version)
+            if rest == []:
+                await _respond_json(send, 200, self._metadata(model.config.name, version))
+            elif rest == ["ready"]:
+                ready = self.ready and not model.worker.scheduler.draining
+                await _respond_json(send, 200 if ready else 503, {"name": name, "ready": ready})
+            elif rest == ["stats"]:
+                models = [model] if version else [m for m in self.registry.all() if m.config.name == name]
+                stats = [m.worker.stats.json(m.config.name, str(m.version)) for m in models]
+                await _respond_json(send, 200, {"model_stats": stats})
+            else:
+                await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
+        else:
+            await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
+
+    def _metadata(self, name: str, version: str | None) -> dict[str, Any]:
+        model = self.registry.get(name, version)
+        config = model.config
+        batch = [-1] if config.max_batch_size > 0 else []
+
+        def tensors(specs: Any) -> list[dict[str, Any]]:
+            return [{"name": t.name, "datatype": t.datatype, "shape": batch + list(t.shape)} for t in specs]
+
+        return {
+            "name": config.name,
+            "versions": [str(v) for v in self.registry.versions(config.name)],
+            "platform": config.platform,
+            "inputs": tensors(config.inputs),
+            "outputs": tensors(config.outputs),
+        }
+
+    # ---- inference -------------------------------------------------------------------------------
+
+    async def _infer(self, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
+        parts = path.strip("/").split("/")
+        if len(parts) < 4 or parts[:2] != ["v2", "models"]:
+            await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
+            return
+        name, version, rest = _model_path(parts[2:])
+        if rest != ["infer"]:
+            await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
+            return
+        model = self.registry.get(name, version)
+        try:
+            body = await self._read_body(headers, receive)
+        except BodyTooLarge:
+            await _respond(send, 413, encode_error(f"request body exceeds {self.max_body_bytes} bytes"))
+            return
+        except ClientGone:
+            return  # nobody is left to answer
+        config = model.config
+        try:
+            header_length = _header_length(headers)
+            request = decode_request(body, header_length)
+            rows = validate_inputs(request.inputs, config.inputs, config.max_batch_size,
+                                   allow_non_finite=self.allow_non_finite)  # fmt: skip
+            priority, timeout_s = _scheduling_parameters(request.parameters)
+            served = await model.worker.infer({i.name: i.array for i in request.inputs}, rows, priority, timeout_s)
+            payload, json_length = encode_response(
+                model_name=config.name, model_version=str(model.version), request_id=request.id,
+                outputs=served.outputs, specs=config.outputs, requested=request.outputs,
+                binary_default=request.binary_output_default,
+            )  # fmt: skip
+        except (TensorError, ValueError) as exc:
+            await _respond(send, 400, encode_error(str(exc)))
+            return
+        except Refused as exc:
+            retry = str(max(1, round(exc.rejection.retry_after_s))).encode()
+            body_out = json.dumps({"error": str(exc), "reason": exc.rejection.reason}).encode()
+            await _respond(send, 503, body_out, extra=[(b"retry-after", retry), (b"spillway-outcome", b"rejected"),
+                                                       (b"spillway-reason", exc.rejection.reason.encode())])  # fmt: skip
+            return
+        except ExecutionFailed as exc:
+            await _respond(send, 500, encode_error(str(exc)), extra=[(b"spillway-outcome", b"error")])
+            return
+        extra = [(b"spillway-outcome", b"local")]
+        if json_length is None:
+            await _respond(send, 200, payload, extra=extra)
+        else:
+            extra.append((b"inference-header-content-length", str(json_length).encode()))
+            await _respond(send, 200, payload, content_type=b"application/octet-stream", extra=extra)
+
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise BodyTooLarge
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _model_path(parts: list[str]) -> tuple[str, str | None, list[str]]:
+    """`m[/versions/v][/rest...]` -> (m, v, rest)."""
+    name = parts[0]
+    if len(parts) >= 3 and parts[1] == "versions":
+        return name, parts[2], parts[3:]
+    return name, None, parts[1:]
+
+
+def _header_length(headers: dict[bytes, bytes]) -> int | None:
+    raw = headers.get(b"inference-header-content-length")
+    if raw is None:
+        return None
+    if not raw.isdigit():
+        raise TensorError("Inference-Header-Content-Length must be a non-negative integer")
+    return int(raw)
+
+
+def _scheduling_parameters(parameters: dict[str, Any]) -> tuple[int, float | None]:
+    """Triton's request parameters: `priority` (0 = the model's default level) and `timeout` in microseconds."""
+    priority = parameters.get("priority", 0)
+    timeout = parameters.get("timeout")
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+        raise ValueError(f"parameter 'priority' must be a non-negative integer, got {priority!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0):
+        raise ValueError(f"parameter 'timeout' must be a non-negative integer of microseconds, got {timeout!r}")
+    return priority, (timeout / 1e6 if timeout else None)
+
+
+async def _respond_json(send: Send, status: int, body: dict[str, Any]) -> None:
+    await _respond(send, status, json.dumps(body).encode())
+
+
+async def _respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    *,
+    content_type: bytes = b"application/json",
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    if extra:
+        headers += extra
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
