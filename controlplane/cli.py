@@ -126,13 +126,14 @@ def create_key(
 @app.command()
 def demo(
     port: Annotated[int, typer.Option(help="control plane port")] = 8400,
+    agent_port: Annotated[int, typer.Option(help="edge agent port")] = 8001,
     data_dir: Annotated[str, typer.Option(help="where the demo keeps its database")] = ".spillway-demo",
     once: Annotated[bool, typer.Option(help="seed, print, and stop instead of serving until Ctrl-C")] = False,
 ) -> None:
-    """Start a control plane on SQLite, create an admin key, seed the example fleet through the REST API."""
+    """Start a control plane and an edge agent, seed the example fleet, and send the agent a burst of traffic."""
     from controlplane.demo import run_demo
 
-    raise typer.Exit(run_demo(port=port, data_dir=data_dir, once=once))
+    raise typer.Exit(run_demo(port=port, agent_port=agent_port, data_dir=data_dir, once=once))
 
 
 def main() -> None:

@@ -1,12 +1,20 @@
-"""`spillway demo`: a control plane on SQLite, an admin key, and the example fleet seeded through the REST API."""
+"""`spillway demo`: the story so far, on one machine.
+
+1. a control plane on SQLite, an admin key, and the example fleet seeded through the REST API;
+2. an edge agent serving the demo models (built from code), hit by a burst of mixed-priority traffic,
+   with outcomes and latency printed per priority.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +29,34 @@ def _say(line: str = "") -> None:
     print(line, flush=True)
 
 
-def _wait_ready(client: httpx.Client, proc: subprocess.Popen[bytes], deadline_s: float = 60.0) -> None:
+@contextmanager
+def _process(args: list[str], log_path: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """A child process that is always stopped (SIGTERM, then SIGKILL) when the demo ends."""
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)  # noqa: S603 - our own CLI
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, deadline_s: float = 120.0) -> None:
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the control plane exited with code {proc.returncode}; see the lines above")
+            raise RuntimeError(f"the {what} exited with code {proc.returncode}; see {log}")
         try:
-            if client.get("/readyz").status_code == 200:
+            if httpx.get(url, timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"the control plane was not ready within {deadline_s:.0f} s")
+    raise RuntimeError(f"the {what} was not ready within {deadline_s:.0f} s; see {log}")
 
 
 def seed(client: httpx.Client, fleet: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -49,64 +73,74 @@ def seed(client: httpx.Client, fleet: dict[str, Any]) -> dict[str, list[dict[str
     return created
 
 
-def run_demo(*, port: int, data_dir: str, once: bool) -> int:
+def _admin_key(url: str) -> str:
     from controlplane.access import issue_api_key
     from controlplane.db import make_engine, make_sessionmaker, migrate_to, transaction
     from controlplane.db.repository import Actor
 
-    root = Path(data_dir).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    db_file = root / "demo.db"  # never the default `spillway.db`, even with --data-dir .
-    for stale in root.glob("demo.db*"):
-        stale.unlink()  # a fresh story every run
-    url = f"sqlite:///{db_file}"
-    base = f"http://127.0.0.1:{port}"
-
     migrate_to(url)
     engine = make_engine(url)
-    with transaction(make_sessionmaker(engine)) as session:
-        _, admin_key = issue_api_key(session, "demo-admin", "admin", Actor("cli", "spillway demo"))
-    engine.dispose()
-
-    env = {**os.environ, "SPILLWAY_DATABASE_URL": url, "SPILLWAY_PORT": str(port), "SPILLWAY_HOST": "127.0.0.1"}
-    log_path = root / "controlplane.log"
-    log = log_path.open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--no-migrate"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
     try:
-        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {admin_key}"}, timeout=10) as client:
-            try:
-                _wait_ready(client, proc)
-            except RuntimeError as exc:
-                _say(f"error: {exc} (log: {log_path})")
-                return 1
-            fleet = yaml.safe_load(EXAMPLE_FLEET.read_text())
-            created = seed(client, fleet)
-            fleet_status = client.get("/api/v1/status").json()
-        _report(base, admin_key, created, fleet_status, log_path)
+        with transaction(make_sessionmaker(engine)) as session:
+            return issue_api_key(session, "demo-admin", "admin", Actor("cli", "spillway demo"))[1]
+    finally:
+        engine.dispose()
+
+
+def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool) -> int:
+    from edge_agent.burst import DEFAULT_MIX, format_report, run_burst
+    from edge_agent.runtime.demo_models import build_demo_repository
+
+    root = Path(data_dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob("demo.db*"):  # a fresh story every run; never the default `spillway.db`
+        stale.unlink()
+    url = f"sqlite:///{root / 'demo.db'}"
+    base, agent_base = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{agent_port}"
+    admin_key = _admin_key(url)
+    env = {**os.environ, "SPILLWAY_DATABASE_URL": url, "SPILLWAY_PORT": str(port), "SPILLWAY_HOST": "127.0.0.1"}
+    cli = [sys.executable, "-m", "controlplane.cli"]
+
+    with ExitStack() as stack:
+        cp_log = root / "controlplane.log"
+        cp = stack.enter_context(_process([*cli, "controlplane", "serve", "--no-migrate"], cp_log, env))
+        models = build_demo_repository(root / "models")
+        agent_log = root / "agent.log"
+        agent_args = [*cli, "agent", "serve", "--model-repository", str(models), "--port", str(agent_port)]
+        agent = stack.enter_context(_process(agent_args, agent_log, env))
+        try:
+            _wait_ready(f"{base}/readyz", cp, "control plane", cp_log)
+            with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {admin_key}"}, timeout=10) as client:
+                created = seed(client, yaml.safe_load(EXAMPLE_FLEET.read_text()))
+                fleet_status = client.get("/api/v1/status").json()
+            _report_control_plane(base, admin_key, created, fleet_status, cp_log)
+            _wait_ready(f"{agent_base}/v2/health/ready", agent, "edge agent", agent_log)
+        except RuntimeError as exc:
+            _say(f"error: {exc}")
+            return 1
+        _say(f"Edge agent: {agent_base}  (models: {models}, log: {agent_log})")
+        _say("A burst of 1000 requests to mlp v1 from 48 concurrent clients, mixed priorities:")
+        reports = asyncio.run(run_burst(agent_base, model="mlp", version="1", requests=1000, concurrency=48))
+        _say(format_report(reports, DEFAULT_MIX))
+        _say()
+        _say(f"  curl {agent_base}/v2/models/mlp")
+        _say(f"  curl {agent_base}/v2/models/mlp/stats")
+        _say(f"  spillway agent burst --url {agent_base}")
+        _say()
         if once:
             return 0
         _say("Serving until Ctrl-C.")
-        signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+        signal.signal(signal.SIGTERM, lambda *_: cp.terminate())
         try:
-            return proc.wait()
+            return cp.wait()
         except KeyboardInterrupt:
             return 0
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
+    return 0
 
 
-def _report(base: str, key: str, created: dict[str, list[dict[str, Any]]], status: dict[str, Any], log: Path) -> None:
+def _report_control_plane(
+    base: str, key: str, created: dict[str, list[dict[str, Any]]], status: dict[str, Any], log: Path
+) -> None:
     _say()
     _say(f"Spillway control plane: {base}   (log: {log})")
     _say(f"Admin API key (shown once): {key}")
@@ -125,9 +159,6 @@ def _report(base: str, key: str, created: dict[str, list[dict[str, Any]]], statu
     _say()
     _say("Where to look:")
     _say(f"  export SPILLWAY_API_KEY={key}")
-    _say(f'  curl -H "Authorization: Bearer $SPILLWAY_API_KEY" {base}/api/v1/status')
-    _say(f'  curl -H "Authorization: Bearer $SPILLWAY_API_KEY" {base}/api/v1/slos')
-    _say(f'  curl -H "Authorization: Bearer $SPILLWAY_API_KEY" {base}/api/v1/rules')
-    _say(f'  curl -H "Authorization: Bearer $SPILLWAY_API_KEY" {base}/api/v1/events')
-    _say(f'  curl -H "Authorization: Bearer $SPILLWAY_API_KEY" {base}/api/v1/openapi.json')
+    for path in ("status", "slos", "rules", "events", "openapi.json"):
+        _say(f'  curl -H "Authorization: Bearer $SPILLWAY_API_KEY" {base}/api/v1/{path}')
     _say()

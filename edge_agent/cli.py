@@ -56,3 +56,20 @@ def build_demo(out: Annotated[Path, typer.Option(help="where to write the model 
 
     root = build_demo_repository(out)
     typer.echo(str(root))
+
+
+@agent_app.command("burst")
+def burst(
+    url: Annotated[str, typer.Option(help="the agent's base URL")] = "http://127.0.0.1:8001",
+    model: Annotated[str, typer.Option(help="model name")] = "mlp",
+    version: Annotated[str, typer.Option(help="model version")] = "1",
+    requests: Annotated[int, typer.Option(min=1, max=100_000, help="how many requests")] = 600,
+    concurrency: Annotated[int, typer.Option(min=1, max=1024, help="concurrent clients")] = 48,
+) -> None:
+    """Send a short burst of mixed-priority traffic and print outcomes and latency per priority."""
+    import asyncio
+
+    from edge_agent.burst import format_report, run_burst
+
+    reports = asyncio.run(run_burst(url, model=model, version=version, requests=requests, concurrency=concurrency))
+    typer.echo(format_report(reports))

@@ -78,13 +78,14 @@ def test_replicas_starting_together_on_postgres_take_turns_to_migrate(postgres_u
 
 
 def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:
-    port = free_port()
+    port, agent_port = free_port(), free_port()
+    args = ["demo", "--once", "--port", str(port), "--agent-port", str(agent_port), "--data-dir", str(tmp_path)]
     out = subprocess.run(
-        [sys.executable, "-m", "controlplane.cli", "demo", "--once", "--port", str(port), "--data-dir", str(tmp_path)],
+        [sys.executable, "-m", "controlplane.cli", *args],
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         cwd=REPO,
     )
     assert out.returncode == 0, out.stdout + out.stderr
@@ -97,3 +98,12 @@ def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:
     assert "Fleet status: 2 agents, 2 SLOs, 3 rules (3 enabled), 1 backends" in out.stdout
     assert "demo-backend-secret" not in out.stdout
     assert f"http://127.0.0.1:{port}" in out.stdout
+    # The agent part: a burst with a row per priority, every request counted with an outcome.
+    assert f"Edge agent: http://127.0.0.1:{agent_port}" in out.stdout
+    rows = re.findall(r"^\| ([123]) \| [^|]+ \| (\d+) \| ([^|]+) \|", out.stdout, re.MULTILINE)
+    assert [r[0] for r in rows] == ["1", "2", "3"], out.stdout
+    assert sum(int(r[1]) for r in rows) == 1000
+    for _, sent, outcomes in rows:
+        counted = sum(int(n) for n in re.findall(r"(\d+)(?:,|\s*$)", outcomes.strip()))
+        assert counted == int(sent), outcomes
+        assert "transport error" not in outcomes

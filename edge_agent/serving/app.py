@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from typing import Any
 
 from edge_agent import __version__
@@ -12,6 +13,7 @@ from edge_agent.scheduling.worker import ExecutionFailed, Refused
 from edge_agent.serving.models import ModelRegistry, UnknownModel
 from edge_agent.serving.tensors import TensorError, decode_request, encode_error, encode_response, validate_inputs
 
+log = logging.getLogger("spillway.agent")
 Scope = dict[str, Any]
 Receive = Any
 Send = Any
@@ -168,11 +170,17 @@ class InferenceApp:
         except Refused as exc:
             retry = str(max(1, round(exc.rejection.retry_after_s))).encode()
             body_out = json.dumps({"error": str(exc), "reason": exc.rejection.reason}).encode()
-            await _respond(send, 503, body_out, extra=[(b"retry-after", retry), (b"spillway-outcome", b"rejected"),
-                                                       (b"spillway-reason", exc.rejection.reason.encode())])  # fmt: skip
+            extra = [(b"retry-after", retry), (b"spillway-outcome", b"rejected"),
+                     (b"spillway-reason", exc.rejection.reason.encode())]  # fmt: skip
+            await _respond(send, 503, body_out, extra=extra)
             return
         except ExecutionFailed as exc:
             await _respond(send, 500, encode_error(str(exc)), extra=[(b"spillway-outcome", b"error")])
+            return
+        except Exception:  # a bug of ours (e.g. a runner output the config does not declare): never a trace
+            log.exception("inference on %s failed", path)
+            await _respond(send, 500, encode_error("internal error; see the agent log"),
+                           extra=[(b"spillway-outcome", b"error")])  # fmt: skip
             return
         extra = [(b"spillway-outcome", b"local")]
         if json_length is None:

@@ -64,7 +64,9 @@ def test_json_inference_matches_onnxruntime_exactly(agent: RunningAgent, demo_re
     assert body["id"] == "r1" and body["model_version"] == str(version)
     out = body["outputs"][0]
     assert out["shape"] == [3, 1000] and out["datatype"] == "FP32"
-    np.testing.assert_array_equal(np.asarray(out["data"], np.float32).reshape(3, 1000), reference(demo_repo, version, x))
+    np.testing.assert_array_equal(
+        np.asarray(out["data"], np.float32).reshape(3, 1000), reference(demo_repo, version, x)
+    )
 
 
 def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(agent: RunningAgent, demo_repo: Path) -> None:
@@ -99,18 +101,48 @@ def test_scheduling_parameters(agent: RunningAgent) -> None:
 
 
 GARBAGE: list[tuple[str, dict, bytes | str | None, int, str]] = [
-    ("wrong input name", {"inputs": [{"name": "x", "shape": [1, 512], "datatype": "FP32", "data": [0.0] * 512}]},
-     None, 400, "'x'"),
-    ("wrong dtype", {"inputs": [{"name": "input", "shape": [1, 512], "datatype": "INT64", "data": [0] * 512}]},
-     None, 400, "input"),
-    ("wrong shape", {"inputs": [{"name": "input", "shape": [1, 511], "datatype": "FP32", "data": [0.0] * 511}]},
-     None, 400, "input"),
-    ("short data", {"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.0] * 10}]},
-     None, 400, "input"),
-    ("huge shape", {"inputs": [{"name": "input", "shape": [1 << 40, 512], "datatype": "FP32", "data": [0.0]}]},
-     None, 400, "input"),
-    ("batch over max", {"inputs": [{"name": "input", "shape": [65, 512], "datatype": "FP32", "data": [0.0] * 65 * 512}]},
-     None, 400, "input"),
+    (
+        "wrong input name",
+        {"inputs": [{"name": "x", "shape": [1, 512], "datatype": "FP32", "data": [0.0] * 512}]},
+        None,
+        400,
+        "'x'",
+    ),
+    (
+        "wrong dtype",
+        {"inputs": [{"name": "input", "shape": [1, 512], "datatype": "INT64", "data": [0] * 512}]},
+        None,
+        400,
+        "input",
+    ),
+    (
+        "wrong shape",
+        {"inputs": [{"name": "input", "shape": [1, 511], "datatype": "FP32", "data": [0.0] * 511}]},
+        None,
+        400,
+        "input",
+    ),
+    (
+        "short data",
+        {"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.0] * 10}]},
+        None,
+        400,
+        "input",
+    ),
+    (
+        "huge shape",
+        {"inputs": [{"name": "input", "shape": [1 << 40, 512], "datatype": "FP32", "data": [0.0]}]},
+        None,
+        400,
+        "input",
+    ),
+    (
+        "batch over max",
+        {"inputs": [{"name": "input", "shape": [65, 512], "datatype": "FP32", "data": [0.0] * 65 * 512}]},
+        None,
+        400,
+        "input",
+    ),
     ("non-finite (binary)", {}, "nan", 400, "input"),
     ("malformed json", {}, b"{not json", 400, ""),
     ("unknown model", {}, b"{}", 404, "unknown model"),

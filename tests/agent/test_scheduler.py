@@ -152,7 +152,7 @@ def test_deadline_from_level_policy_and_override() -> None:
     assert s.deadline_for(2, 10.0, 0.1) == pytest.approx(10.5)  # override not allowed
     assert s.deadline_for(3, 10.0, None) is None
     assert s.resolve_level(0) == 2
-    with pytest.raises(ValueError, match="1..3"):
+    with pytest.raises(ValueError, match=r"1\.\.3"):
         s.resolve_level(4)
 
 
