@@ -27,3 +27,10 @@ def test_every_cli_command_is_documented() -> None:
     missing = [c for c in commands if c not in README]
     assert missing == []
     assert "make demo" in README and "make test" in README
+
+
+def test_every_agent_config_key_is_documented() -> None:
+    from edge_agent.config import AgentConfig
+
+    missing = [name for name in AgentConfig.model_fields if f"`{name}`" not in README]
+    assert missing == []

@@ -1,19 +1,21 @@
-"""Fixtures for the edge agent: the demo repository built once, and a real agent on a loopback port."""
+"""Fixtures for the edge agent: the demo repository built once, and a real agent process on a loopback port."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+import yaml
 
-from edge_agent.config import AgentConfig
 from edge_agent.runtime.demo_models import build_demo_repository
-from edge_agent.serving.app import InferenceApp
-from edge_agent.serving.models import ModelRegistry
-from edge_agent.serving.server import build_registry
-from tests.utils.server import serving
+from tests.utils.server import free_port
 
 
 @pytest.fixture(scope="session")
@@ -24,17 +26,47 @@ def demo_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @dataclass
 class RunningAgent:
     url: str
-    app: InferenceApp
-    registry: ModelRegistry
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def stats(self, version: str) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/v2/models/mlp/versions/{version}/stats", timeout=10)
+        return dict(response.json()["model_stats"][0])
+
+
+def start_agent(repo: Path, workdir: Path, **settings: Any) -> RunningAgent:
+    """`spillway agent serve` as its own process (as in production: no GIL shared with the test's clients)."""
+    port = free_port()
+    config = workdir / f"agent-{port}.yaml"
+    config.write_text(yaml.safe_dump({"model_repository": str(repo), "port": port, **settings}))
+    log = workdir / f"agent-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "controlplane.cli", "agent", "serve", "--config", str(config)],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
+                return RunningAgent(url, proc, log)
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"agent not ready: {log.read_text()}"
+        time.sleep(0.1)
+
+
+def stop_agent(agent: RunningAgent) -> None:
+    agent.proc.terminate()
+    agent.proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
-def agent(demo_repo: Path) -> Iterator[RunningAgent]:
-    """The real agent (both mlp versions, warmed up) behind uvicorn on 127.0.0.1."""
-    config = AgentConfig(model_repository=demo_repo, intra_op_threads=2, max_body_bytes=8 << 20)
-    registry = build_registry(config)
-    app = InferenceApp(registry, max_body_bytes=config.max_body_bytes, allow_non_finite=False)
-    with serving(app) as url:  # type: ignore[arg-type]
-        yield RunningAgent(url, app, registry)
-    for model in registry.all():
-        model.worker.close()
+def agent(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningAgent]:
+    """The real agent (both mlp versions, warmed up) on 127.0.0.1."""
+    running = start_agent(demo_repo, tmp_path_factory.mktemp("agent"), intra_op_threads=2,
+                          max_body_bytes=8 << 20, allow_non_finite=False)  # fmt: skip
+    yield running
+    stop_agent(running)

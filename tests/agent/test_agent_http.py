@@ -14,6 +14,7 @@ import pytest
 
 from edge_agent.config import AgentConfig
 from edge_agent.serving.app import InferenceApp
+from edge_agent.serving.models import ModelRegistry
 from tests.agent.conftest import RunningAgent
 from tests.utils.server import serving
 
@@ -71,7 +72,7 @@ def test_json_inference_matches_onnxruntime_exactly(agent: RunningAgent, demo_re
 
 def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(agent: RunningAgent, demo_repo: Path) -> None:
     xs = [RNG.standard_normal((1, 512), dtype=np.float32) for _ in range(48)]
-    before = agent.registry.get("mlp", "1").worker.stats.execution_count
+    before = agent.stats("1")["execution_count"]
 
     def call(x: np.ndarray) -> np.ndarray:
         with httpx.Client(base_url=agent.url, timeout=30) as c:
@@ -83,7 +84,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(agent: Runni
         outs = list(pool.map(call, xs))
     expected = reference(demo_repo, 1, np.concatenate(xs))
     np.testing.assert_allclose(np.concatenate(outs), expected, rtol=1e-5, atol=1e-5)
-    batches = agent.registry.get("mlp", "1").worker.stats.execution_count - before
+    batches = agent.stats("1")["execution_count"] - before
     assert batches < len(xs)  # some requests shared a batch
 
 
@@ -220,13 +221,16 @@ def test_oversized_body_is_413(agent: RunningAgent) -> None:
     assert "exceeds" in r.json()["error"]
 
 
-def test_a_token_is_required_when_configured(agent: RunningAgent) -> None:
-    guarded = InferenceApp(agent.registry, token="s3cret-token")
+def test_a_token_is_required_when_configured() -> None:
+    guarded = InferenceApp(ModelRegistry([]), token="s3cret-token")
     with serving(guarded) as url, httpx.Client(base_url=url) as c:  # type: ignore[arg-type]
         assert c.get("/v2/health/live").status_code == 200
-        assert c.get("/v2/models/mlp").status_code == 401
+        for path in ("/v2", "/v2/health/ready", "/v2/models/mlp", "/v2/models/stats"):
+            assert c.get(path).status_code == 401, path
+        assert c.post("/v2/models/mlp/infer", content=b"{}").status_code == 401
         assert c.get("/v2/models/mlp", headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert c.get("/v2/models/mlp", headers={"Authorization": "Bearer s3cret-token"}).status_code == 200
+        # Past authentication: an empty repository has no such model.
+        assert c.get("/v2/models/mlp", headers={"Authorization": "Bearer s3cret-token"}).status_code == 404
 
 
 def test_beyond_loopback_needs_a_token_or_an_explicit_opt_out(demo_repo: Path) -> None:

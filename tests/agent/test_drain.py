@@ -4,39 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 
-from tests.utils.server import free_port
+from tests.agent.conftest import start_agent
 
 BODY = {"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.5] * 512}]}
 
 
 def test_sigterm_answers_every_accepted_request_then_exits(demo_repo: Path, tmp_path: Path) -> None:
-    port = free_port()
-    log = (tmp_path / "agent.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "controlplane.cli", "agent", "serve", "--model-repository", str(demo_repo),
-         "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, (tmp_path / "agent.log").read_text()
-        try:
-            if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "agent did not become ready"
-        time.sleep(0.1)
-
+    agent = start_agent(demo_repo, tmp_path)
+    base, proc = agent.url, agent.proc
     stop = threading.Event()
     answers: list[int] = []
     reasons: list[str] = []
@@ -69,8 +49,7 @@ def test_sigterm_answers_every_accepted_request_then_exits(demo_repo: Path, tmp_
     for t in threads:
         t.join(timeout=60)
     code = proc.wait(timeout=60)
-    log.close()
-    output = (tmp_path / "agent.log").read_text()
+    output = agent.log.read_text()
     assert failures == [], output
     assert code == 0, output
     assert "drained" in output
