@@ -29,6 +29,8 @@ def serve(
 
     from edge_agent.config import AgentConfig
     from edge_agent.runtime.config import ModelConfigError
+    from edge_agent.runtime.gpu import GpuMemoryError
+    from edge_agent.runtime.runner import RunnerError
 
     try:
         agent = AgentConfig.load(
@@ -43,8 +45,8 @@ def serve(
 
     try:
         registry = build_registry(agent)
-    except ModelConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
+    except (ModelConfigError, RunnerError, GpuMemoryError) as exc:
+        typer.echo(f"error: cannot load the model repository: {exc}", err=True)
         raise typer.Exit(2) from None
     serve(agent, registry=registry, log_level=log_level)
 

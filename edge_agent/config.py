@@ -23,6 +23,11 @@ class AgentConfig(BaseModel):
     max_body_bytes: int = Field(default=64 << 20, gt=0)
     intra_op_threads: int = Field(default=0, ge=0, description="onnxruntime threads per run; 0: all cores")
     inter_op_threads: int = Field(default=1, ge=1)
+    providers: list[str] | None = Field(
+        default=None, description="onnxruntime providers to try in order; default TensorRT, CUDA, CPU as installed"
+    )
+    device_id: int = Field(default=0, ge=0, description="GPU to use")
+    gpu_mem_limit: int | None = Field(default=None, gt=0, description="bytes the CUDA arena may take per session")
     max_queued_requests: int = Field(default=4096, ge=1)
     aging_s: float | None = Field(default=None, gt=0, description="serve a request waiting this long first")
     allow_non_finite: bool = Field(default=True, description="accept NaN/Inf in float inputs")

@@ -3,13 +3,16 @@
 Nothing here sleeps, awaits or reads a clock: every method takes `now` (seconds, monotonic), so tests drive
 it with an injected clock and the asyncio shell (`worker.py`) only moves requests in and results out.
 
-A batch leaves when (first that holds):
-  1. it is full (max batch size, or the largest preferred size);
-  2. the tightest deadline in it has no slack left (deadline - now - predicted compute time <= 0);
-  3. the batch window (max queue delay, from the oldest request in it) has ended;
-  4. waiting is not expected to grow it: the arrivals measured while earlier batches waited, over what is
-     left of the window, come to less than one request.
-While every instance is busy nothing leaves; the queue itself is then where the next batch forms.
+A batch is the queued requests in priority order (FIFO within a level), whole and of one shape, up to the
+max batch size. It leaves (first that holds):
+  1. closed: it reached the max batch size, or the next queued request cannot join it (too big, other shape);
+  2. a prefix of it is exactly a preferred batch size: that prefix leaves at once (Triton's rule);
+  3. the tightest deadline in it has no slack left (deadline - now - predicted compute time <= 0);
+  4. the batch window (max queue delay, from the oldest request in it) has ended;
+  5. waiting is not expected to grow it: the arrivals measured while earlier batches waited, over what is
+     left of the window, come to less than one request, or the current burst went quiet.
+In cases 3-5 everything pending leaves. While every instance is busy nothing leaves; the queue itself is
+then where the next batch forms, so under load batches are as large as the queue allows.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -72,6 +75,7 @@ class Pending:
     payload: Any = None
     seq: int = 0
     timeout_action: Literal["REJECT", "DELAY"] = "REJECT"
+    shape: Hashable = None  # only requests of equal shape (beyond the batch dimension) share a batch
 
 
 @dataclass(frozen=True)
@@ -118,8 +122,7 @@ class Scheduler:
         self._batch_ids = itertools.count(1)
         self._running: dict[int, Batch] = {}
         self._draining = False
-        self._target = max(config.preferred_batch_sizes, default=config.max_batch_size)
-        self._target = min(self._target, config.max_batch_size)
+        self._preferred = frozenset(p for p in config.preferred_batch_sizes if p <= config.max_batch_size)
         # Arrival rate (requests/s) observed while a batch waited for more; starts optimistic.
         self._wait_rate: float | None = None
         self._waiting_since: float | None = None
@@ -130,11 +133,11 @@ class Scheduler:
     # ---- admission ---------------------------------------------------------------------------
 
     def resolve_level(self, priority: int) -> int:
-        """Triton's meaning: 0 is the default level; 1..N are levels; anything else is invalid."""
-        if priority == 0:
+        """Triton's meaning: 1..N are levels; 0, and anything above N, mean the model's default level."""
+        if priority < 0:
+            raise ValueError(f"priority must be >= 0, got {priority}")
+        if priority == 0 or priority > len(self._levels):
             return self.config.default_level
-        if not 1 <= priority <= len(self._levels):
-            raise ValueError(f"priority must be 0 (default) or 1..{len(self._levels)}, got {priority}")
         return priority
 
     def deadline_for(self, level: int, now: float, timeout_s: float | None) -> float | None:
@@ -172,7 +175,7 @@ class Scheduler:
             return Rejection(
                 "queue_full", f"priority {request.level} queue is full", self._retry_after(request.level, now)
             )
-        if request.deadline is not None:
+        if request.deadline is not None and level.policy.timeout_action == "REJECT":
             predicted = self.predict_completion(request.level, request.rows, now)
             if now + predicted > request.deadline:
                 budget_ms = (request.deadline - now) * 1e3
@@ -202,13 +205,12 @@ class Scheduler:
         dispatch: list[Batch] = []
         wake_at: float | None = None
         while len(self._running) < self.config.instances and self._queued:
-            chosen = self._candidate(now)
-            rows = sum(r.rows for r in chosen)
-            go, wake = self._ready(chosen, rows, now)
-            if not go:
+            chosen, rows, closed = self._candidate(now)
+            send, wake = self._ready(chosen, rows, closed, now)
+            if send is None:
                 wake_at = wake
                 break
-            dispatch.append(self._take(chosen, rows, now))
+            dispatch.append(self._take(send, sum(r.rows for r in send), now))
         deadlines = [r.deadline for lv in self._levels for r in lv.queue if r.deadline is not None]
         if deadlines:
             first = min(deadlines)
@@ -221,28 +223,30 @@ class Scheduler:
 
     def _expire(self, now: float) -> list[Pending]:
         expired: list[Pending] = []
-        lowest = self._levels[-1]
         for level in self._levels:
             if not any(r.deadline is not None and r.deadline <= now for r in level.queue):
                 continue
             keep: deque[Pending] = deque()
+            delayed: list[Pending] = []
             for req in level.queue:
                 if req.deadline is None or req.deadline > now:
                     keep.append(req)
-                elif req.timeout_action == "DELAY" and level is not lowest:
-                    req.deadline = None  # Triton's DELAY: served later, at the lowest level
-                    lowest.queue.append(req)
-                    lowest.rows += req.rows
-                    level.rows -= req.rows
+                elif req.timeout_action == "DELAY":
+                    req.deadline = None  # Triton's DELAY: still served, after its level's live requests
+                    delayed.append(req)
                 else:
                     expired.append(req)
                     level.rows -= req.rows
                     self._queued -= 1
+            keep.extend(delayed)
             level.queue = keep
         return expired
 
-    def _candidate(self, now: float) -> list[Pending]:
-        """Highest levels first, FIFO within a level, whole requests only, up to max batch rows."""
+    def _candidate(self, now: float) -> tuple[list[Pending], int, bool]:
+        """Highest levels first, FIFO within a level, whole requests of one shape, up to max batch rows.
+
+        The flag says the batch is closed: the next queued request cannot join it, so waiting cannot grow it.
+        """
         order: Iterable[Pending] = (r for lv in self._levels for r in lv.queue)
         if self.config.aging_s is not None:
             aged = [r for lv in self._levels[1:] for r in lv.queue if now - r.arrival >= self.config.aging_s]
@@ -251,49 +255,48 @@ class Scheduler:
         chosen: list[Pending] = []
         rows = 0
         for req in order:
-            if rows + req.rows > self.config.max_batch_size:
-                if chosen:
-                    break
-                continue  # larger than a batch: refused at validation, never queued in practice
+            if chosen and (rows + req.rows > self.config.max_batch_size or req.shape != chosen[0].shape):
+                return chosen, rows, True  # as in Triton: the batch ends where the next request does not fit it
             chosen.append(req)
             rows += req.rows
             if rows == self.config.max_batch_size or not self.config.merge:
-                break
-        return self._trim_to_preferred(chosen, rows)
+                return chosen, rows, True
+        return chosen, rows, False
 
-    def _trim_to_preferred(self, chosen: list[Pending], rows: int) -> list[Pending]:
-        """Triton's rule: when more is queued than a preferred size, send the largest preferred size it fills."""
-        fitting = [p for p in self.config.preferred_batch_sizes if p <= rows]
-        if not fitting or max(fitting) == rows:
-            return chosen
-        limit, total = max(fitting), 0
-        for i, req in enumerate(chosen):
-            if total + req.rows > limit:
-                return chosen[:i]
+    def _preferred_prefix(self, chosen: list[Pending]) -> int:
+        """How many requests make the largest prefix whose rows are exactly a preferred batch size (0: none)."""
+        best = total = 0
+        for count, req in enumerate(chosen, 1):
             total += req.rows
-        return chosen
+            if total in self._preferred:
+                best = count
+        return best
 
-    def _ready(self, chosen: list[Pending], rows: int, now: float) -> tuple[bool, float | None]:
-        if not chosen:
-            return False, None
-        if rows >= self._target or self.config.max_queue_delay_s <= 0 or not self.config.merge:
-            return True, None
+    def _ready(
+        self, chosen: list[Pending], rows: int, closed: bool, now: float
+    ) -> tuple[list[Pending] | None, float | None]:
+        """What to send now (None: wait, and when to look again)."""
+        if closed or self.config.max_queue_delay_s <= 0:
+            return chosen, None
+        prefix = self._preferred_prefix(chosen)
+        if prefix:
+            return chosen[:prefix], None  # Triton: a preferred size is reached, send it at once
         predicted = self.predictor.predict(rows)
         slack_end = min((r.deadline - predicted for r in chosen if r.deadline is not None), default=math.inf)
         window_end = min(r.arrival for r in chosen) + self.config.max_queue_delay_s
         end = min(slack_end, window_end)
         if now >= end:
-            return True, None
+            return chosen, None  # the window or the slack ran out: send everything pending
         if self._waiting_since is None:
             if not self._worth_waiting(end - now):
-                return True, None
+                return chosen, None
             self._waiting_since, self._waiting_seen, self._last_arrival = now, 0, now
         # A burst has ended when no request came for twice the expected gap: stop waiting then.
         gap = 1.0 / self._wait_rate if self._wait_rate else self.config.max_queue_delay_s
         quiet_end = self._last_arrival + 2 * gap
         if now >= quiet_end:
-            return True, None
-        return False, min(end, quiet_end)
+            return chosen, None
+        return None, min(end, quiet_end)
 
     def _worth_waiting(self, remaining: float) -> bool:
         """Wait only while the arrivals seen during earlier waits say another request is likely to come."""

@@ -94,7 +94,8 @@ class ModelWorker:
         level = self.scheduler.resolve_level(priority)
         job = _Job(inputs, self._loop.create_future(), level)
         deadline = self.scheduler.deadline_for(level, now, timeout_s)
-        pending = Pending(rows=rows, level=level, arrival=now, deadline=deadline, payload=job)
+        shape = tuple((name, a.shape[1:]) for name, a in inputs.items()) if self.batching else None
+        pending = Pending(rows=rows, level=level, arrival=now, deadline=deadline, payload=job, shape=shape)
         refused = self.scheduler.admit(pending, now)
         if refused is not None:
             self.stats.outcome(level, "rejected")
@@ -108,7 +109,7 @@ class ModelWorker:
         step = self.scheduler.step(now)
         for pending in step.expired:
             job = pending.payload
-            self.stats.outcome(job.priority, "rejected")
+            self.stats.request(job.priority, "rejected", now - pending.arrival, 0.0, now - pending.arrival)
             if not job.future.done():
                 waited = (now - pending.arrival) * 1e3
                 job.future.set_exception(

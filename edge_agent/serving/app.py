@@ -3,15 +3,25 @@ a millisecond to a request, with Triton's status codes and error shape."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+from collections import Counter
 from typing import Any
 
 from edge_agent import __version__
+from edge_agent.runtime.spec import ModelConfig
 from edge_agent.scheduling.worker import ExecutionFailed, Refused
 from edge_agent.serving.models import ModelRegistry, UnknownModel
-from edge_agent.serving.tensors import TensorError, decode_request, encode_error, encode_response, validate_inputs
+from edge_agent.serving.tensors import (
+    RequestedOutput,
+    TensorError,
+    decode_request,
+    encode_error,
+    encode_response,
+    validate_inputs,
+)
 
 log = logging.getLogger("spillway.agent")
 Scope = dict[str, Any]
@@ -19,6 +29,8 @@ Receive = Any
 Send = Any
 
 _UNAUTHENTICATED = {"/v2/health/live"}
+_INLINE_BYTES = 256 << 10  # bodies up to this size are decoded on the event loop (tens of microseconds)
+_INLINE_ELEMENTS = 64 << 10  # outputs up to this many elements are encoded on the event loop
 
 
 class BodyTooLarge(Exception):
@@ -45,6 +57,7 @@ class InferenceApp:
         self.max_body_bytes = max_body_bytes
         self.allow_non_finite = allow_non_finite
         self.ready = True
+        self.unrouted: Counter[str] = Counter()  # infer requests for models that do not exist
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -136,49 +149,70 @@ class InferenceApp:
 
     async def _infer(self, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
         parts = path.strip("/").split("/")
-        if len(parts) < 4 or parts[:2] != ["v2", "models"]:
-            await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
-            return
-        name, version, rest = _model_path(parts[2:])
+        name, version, rest = (
+            _model_path(parts[2:]) if len(parts) >= 4 and parts[:2] == ["v2", "models"] else ("", None, [])
+        )
         if rest != ["infer"]:
             await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
             return
-        model = self.registry.get(name, version)
+        try:
+            model = self.registry.get(name, version)
+        except UnknownModel as exc:
+            self.unrouted["unknown_model"] += 1
+            await _reject(send, 404, str(exc), "unknown_model")
+            return
+        stats = model.worker.stats
         try:
             body = await self._read_body(headers, receive)
         except BodyTooLarge:
-            await _respond(send, 413, encode_error(f"request body exceeds {self.max_body_bytes} bytes"))
+            stats.outcome(0, "rejected")
+            await _reject(send, 413, f"request body exceeds {self.max_body_bytes} bytes", "payload_too_large")
             return
         except ClientGone:
             return  # nobody is left to answer
         config = model.config
         try:
             header_length = _header_length(headers)
-            request = decode_request(body, header_length)
+            if len(body) > _INLINE_BYTES:  # a big body is decoded off the event loop, so it delays nobody
+                request = await asyncio.to_thread(decode_request, body, header_length)
+            else:
+                request = decode_request(body, header_length)
             rows = validate_inputs(request.inputs, config.inputs, config.max_batch_size,
                                    allow_non_finite=self.allow_non_finite)  # fmt: skip
+            _check_requested_outputs(request.outputs, config)
             priority, timeout_s = _scheduling_parameters(request.parameters)
-            served = await model.worker.infer({i.name: i.array for i in request.inputs}, rows, priority, timeout_s)
-            payload, json_length = encode_response(
-                model_name=config.name, model_version=str(model.version), request_id=request.id,
-                outputs=served.outputs, specs=config.outputs, requested=request.outputs,
-                binary_default=request.binary_output_default,
-            )  # fmt: skip
         except (TensorError, ValueError) as exc:
-            await _respond(send, 400, encode_error(str(exc)))
+            stats.outcome(0, "rejected")
+            await _reject(send, 400, str(exc), "invalid_request")
+            return
+        try:
+            served = await model.worker.infer({i.name: i.array for i in request.inputs}, rows, priority, timeout_s)
+        except ValueError as exc:  # a priority the model cannot take
+            stats.outcome(0, "rejected")
+            await _reject(send, 400, str(exc), "invalid_request")
             return
         except Refused as exc:
             retry = str(max(1, round(exc.rejection.retry_after_s))).encode()
-            body_out = json.dumps({"error": str(exc), "reason": exc.rejection.reason}).encode()
-            extra = [(b"retry-after", retry), (b"spillway-outcome", b"rejected"),
-                     (b"spillway-reason", exc.rejection.reason.encode())]  # fmt: skip
-            await _respond(send, 503, body_out, extra=extra)
+            await _reject(send, 503, str(exc), exc.rejection.reason, extra=[(b"retry-after", retry)])
             return
         except ExecutionFailed as exc:
             await _respond(send, 500, encode_error(str(exc)), extra=[(b"spillway-outcome", b"error")])
             return
+
+        def encode() -> tuple[bytes, int | None]:
+            return encode_response(
+                model_name=config.name, model_version=str(model.version), request_id=request.id,
+                outputs=served.outputs, specs=config.outputs, requested=request.outputs,
+                binary_default=request.binary_output_default,
+            )  # fmt: skip
+
+        try:
+            if sum(a.size for a in served.outputs.values()) > _INLINE_ELEMENTS:
+                payload, json_length = await asyncio.to_thread(encode)  # a big answer: off the event loop
+            else:
+                payload, json_length = encode()
         except Exception:  # a bug of ours (e.g. a runner output the config does not declare): never a trace
-            log.exception("inference on %s failed", path)
+            log.exception("encoding the response of %s failed", path)
             await _respond(send, 500, encode_error("internal error; see the agent log"),
                            extra=[(b"spillway-outcome", b"error")])  # fmt: skip
             return
@@ -207,6 +241,23 @@ class InferenceApp:
             if not message.get("more_body", False):
                 break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _check_requested_outputs(requested: list[RequestedOutput] | None, config: ModelConfig) -> None:
+    """Refuse an unknown output before the request is queued, not after it has been computed."""
+    known = {spec.name for spec in config.outputs}
+    for output in requested or ():
+        if output.name not in known:
+            raise TensorError(f"requested output {output.name!r}: the model has no such output ({sorted(known)})")
+
+
+async def _reject(
+    send: Send, status: int, message: str, reason: str, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """An answer that is not a result: the outcome `rejected` and its reason, in the body and the headers."""
+    body = json.dumps({"error": message, "reason": reason}).encode()
+    headers = [(b"spillway-outcome", b"rejected"), (b"spillway-reason", reason.encode()), *(extra or [])]
+    await _respond(send, status, body, extra=headers)
 
 
 def _model_path(parts: list[str]) -> tuple[str, str | None, list[str]]:

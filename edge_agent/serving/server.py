@@ -59,7 +59,14 @@ def load_model(version: ModelVersion, agent: AgentConfig) -> LoadedModel:
 
     threads = agent.intra_op_threads or (os.cpu_count() or 1)
     runners = [
-        OrtRunner(version, intra_op_threads=threads, inter_op_threads=agent.inter_op_threads)
+        OrtRunner(
+            version,
+            intra_op_threads=threads,
+            inter_op_threads=agent.inter_op_threads,
+            providers=agent.providers,
+            gpu_mem_limit=agent.gpu_mem_limit,
+            device_id=agent.device_id,
+        )
         for _ in range(version.config.instance_count)
     ]
     profile = runners[0].warm_up(warmup_batch_sizes(max(1, version.config.max_batch_size)))

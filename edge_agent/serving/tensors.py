@@ -284,6 +284,8 @@ def _parse_shape(raw: Any, label: str, max_elements: int) -> tuple[tuple[int, ..
     for dim in raw:
         if type(dim) is not int or dim < 0:
             raise TensorError(f"{label}: 'shape' must hold non-negative integers, got {_brief(raw)}")
+        if dim > max_elements:  # even an empty tensor with such a dimension is refused by numpy
+            raise TensorError(f"{label}: shape {_brief(raw)} has more than the {max_elements} elements allowed")
         if dim == 0:
             empty = True
         count = min(count * dim, max_elements + 1) if dim else count

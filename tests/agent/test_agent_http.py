@@ -92,7 +92,9 @@ def test_scheduling_parameters(agent: RunningAgent) -> None:
     x = RNG.standard_normal((1, 512), dtype=np.float32)
     with httpx.Client(base_url=agent.url) as c:
         assert c.post("/v2/models/mlp/infer", json=infer_json(x, priority=1, timeout=5_000_000)).status_code == 200
-        bad = c.post("/v2/models/mlp/infer", json=infer_json(x, priority=9))
+        # As in Triton, a priority beyond the model's levels means its default level.
+        assert c.post("/v2/models/mlp/infer", json=infer_json(x, priority=9)).status_code == 200
+        bad = c.post("/v2/models/mlp/infer", json=infer_json(x, priority=-1))
         assert bad.status_code == 400 and "priority" in bad.json()["error"]
         assert c.post("/v2/models/mlp/infer", json=infer_json(x, timeout="soon")).status_code == 400
         late = c.post("/v2/models/mlp/versions/1/infer", json=infer_json(x, timeout=1))  # 1 us: cannot be met
@@ -147,6 +149,19 @@ GARBAGE: list[tuple[str, dict, bytes | str | None, int, str]] = [
     ("non-finite (binary)", {}, "nan", 400, "input"),
     ("malformed json", {}, b"{not json", 400, ""),
     ("unknown model", {}, b"{}", 404, "unknown model"),
+    (
+        "unknown output",
+        {
+            "inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0.0] * 512}],
+            "outputs": [{"name": "logits"}],
+        },
+        None,
+        400,
+        "logits",
+    ),
+    ("truncated binary", {}, "truncated", 400, "input"),
+    ("binary size overrun", {}, "overrun", 400, "input"),
+    ("over the body limit", {}, "huge", 413, "exceeds"),
 ]
 
 
@@ -165,6 +180,14 @@ def _garbage_request(c: httpx.Client, case: tuple) -> httpx.Response:
     if raw == "nan":
         payload, length = _nan_body()
         return c.post(path, content=payload, headers={"Inference-Header-Content-Length": str(length)})
+    if raw in ("truncated", "overrun"):
+        payload, length = _nan_body()
+        payload = payload[:-100] if raw == "truncated" else payload
+        header = payload[:length].replace(b"2048", b"4096") if raw == "overrun" else payload[:length]
+        return c.post(path, content=header + payload[length:],
+                      headers={"Inference-Header-Content-Length": str(len(header))})  # fmt: skip
+    if raw == "huge":
+        return c.post(path, content=b"x" * (9 << 20))
     if raw is not None:
         return c.post(path, content=raw, headers={"Content-Type": "application/json"})
     return c.post(path, content=json.dumps(body, allow_nan=True).encode(), headers={"Content-Type": "application/json"})
@@ -192,6 +215,10 @@ def test_garbage_interleaved_with_valid_load_hurts_nobody(agent: RunningAgent, d
                 with lock:
                     failures.append(f"garbage {case[0]}: {r.status_code} {r.text[:200]}")
 
+    def outcomes() -> int:
+        return sum(o["count"] for o in agent.stats("2")["outcomes"])
+
+    before = outcomes()
     with ThreadPoolExecutor(12) as pool:
         futures = []
         for i in range(60):
@@ -200,6 +227,19 @@ def test_garbage_interleaved_with_valid_load_hurts_nobody(agent: RunningAgent, d
         for f in futures:
             f.result()
     assert failures == []
+    # Every request that reached the model got exactly one recorded outcome.
+    to_unknown_model = sum(1 for i in range(60) if GARBAGE[i % len(GARBAGE)][0] == "unknown model")
+    assert outcomes() - before == 60 + 60 - to_unknown_model
+
+
+def test_unknown_outputs_are_refused_before_any_compute(agent: RunningAgent) -> None:
+    before = agent.stats("2")["execution_count"]
+    body = {**infer_json(np.zeros((1, 512), np.float32)), "outputs": [{"name": "logits"}]}
+    with httpx.Client(base_url=agent.url) as c:
+        r = c.post("/v2/models/mlp/versions/2/infer", json=body)
+    assert r.status_code == 400 and "logits" in r.json()["error"]
+    assert r.headers["spillway-outcome"] == "rejected" and r.headers["spillway-reason"] == "invalid_request"
+    assert agent.stats("2")["execution_count"] == before
 
 
 def test_truncated_binary_bodies_are_400(agent: RunningAgent) -> None:

@@ -57,5 +57,11 @@ def test_bad_input_is_a_client_error_naming_the_input(client: triton.InferenceSe
 
 
 def test_statistics_in_triton_shape(client: triton.InferenceServerClient) -> None:
+    before = client.get_inference_statistics("mlp", "2")["model_stats"][0]["inference_stats"]["success"]["count"]
+    tensor = triton.InferInput("input", [2, 512], "FP32")
+    tensor.set_data_from_numpy(np.ones((2, 512), np.float32))
+    client.infer("mlp", [tensor], model_version="2")
     stats = client.get_inference_statistics("mlp", "2")["model_stats"][0]
-    assert stats["name"] == "mlp" and stats["inference_stats"]["success"]["count"] >= 2
+    assert stats["name"] == "mlp" and stats["version"] == "2"
+    assert stats["inference_stats"]["success"]["count"] == before + 1
+    assert {"batch_size", "compute_infer"} <= set(stats["batch_stats"][0])

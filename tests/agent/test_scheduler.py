@@ -52,11 +52,16 @@ def test_a_full_batch_leaves_at_once_and_nothing_leaves_while_the_instance_is_bu
         s.admit(req(tag=str(i)), 0.0)
     first = s.step(0.0)
     assert len(first.dispatch) == 1 and first.dispatch[0].rows == 4
-    for i in range(8):
+    for i in range(6):
         s.admit(req(now=0.001, tag=str(i)), 0.001)
     assert s.step(0.002).dispatch == ()  # the only instance is busy
     s.complete(first.dispatch[0].id, 0.01)
-    assert s.step(0.01).dispatch[0].rows == 4  # the preferred size, not more
+    second = s.step(0.01)
+    assert tags(second.dispatch[0]) == ["0", "1", "2", "3"]  # the preferred size leaves at once
+    s.complete(second.dispatch[0].id, 0.02)
+    for i in range(6, 12):
+        s.admit(req(now=0.02, tag=str(i)), 0.02)
+    assert s.step(0.02).dispatch[0].rows == 8  # 8 queued: a full batch, not the preferred 4
 
 
 def test_a_lone_request_probes_the_window_once_then_leaves_at_once_when_nobody_comes() -> None:
@@ -133,11 +138,12 @@ def test_deadlines_that_pass_in_the_queue_expire_or_are_delayed_by_policy() -> N
     running = s.step(0.0).dispatch[0]
     s.admit(req(2, deadline=0.1, tag="delayed"), 0.0)
     s.admit(req(3, deadline=0.1, tag="rejected"), 0.0)
+    s.admit(req(2, tag="live"), 0.15)
     step = s.step(0.2)
     assert [r.payload for r in step.expired] == ["rejected"]
-    assert s.depth() == [0, 0, 1]  # moved to the lowest level, no longer with a deadline
+    assert s.depth() == [0, 2, 0]  # DELAY: kept, without a deadline, behind its level's live requests
     s.complete(running.id, 0.2)
-    assert tags(s.step(0.2).dispatch[0]) == ["delayed"]
+    assert tags(s.step(0.2).dispatch[0]) == ["live"]
 
 
 def test_deadline_from_level_policy_and_override() -> None:
@@ -152,8 +158,9 @@ def test_deadline_from_level_policy_and_override() -> None:
     assert s.deadline_for(2, 10.0, 0.1) == pytest.approx(10.5)  # override not allowed
     assert s.deadline_for(3, 10.0, None) is None
     assert s.resolve_level(0) == 2
-    with pytest.raises(ValueError, match=r"1\.\.3"):
-        s.resolve_level(4)
+    assert s.resolve_level(4) == 2  # as Triton: beyond the levels means the default level
+    with pytest.raises(ValueError, match=">= 0"):
+        s.resolve_level(-1)
 
 
 def test_aging_keeps_the_lowest_level_from_starving() -> None:
@@ -182,3 +189,42 @@ def test_two_instances_run_two_batches_and_drain_refuses_new_work() -> None:
     assert not s.idle  # what was queued still runs
     with pytest.raises(ValueError, match="does not fit"):
         make().admit(req(rows=9), 0.0)
+
+
+def test_multi_row_requests_never_block_the_queue() -> None:
+    """A request bigger than a preferred size, but not one, still leaves (at the window end) with what follows."""
+    s = make(max_batch_size=64, preferred_batch_sizes=(8, 16, 32))
+    s.admit(req(rows=10, tag="ten"), 0.0)
+    s.admit(req(rows=1, tag="one"), 0.0)
+    step = s.step(0.0)
+    assert step.dispatch == () and step.wake_at is not None
+    batch = s.step(step.wake_at).dispatch[0]
+    assert tags(batch) == ["ten", "one"] and batch.rows == 11
+    # With a preferred size reachable as a prefix, that prefix leaves at once.
+    s.complete(batch.id, 0.01)
+    for rows, tag in ((6, "a"), (2, "b"), (5, "c")):
+        s.admit(req(rows=rows, now=0.01, tag=tag), 0.01)
+    assert tags(s.step(0.01).dispatch[0]) == ["a", "b"]
+
+
+def test_only_requests_of_one_shape_share_a_batch() -> None:
+    s = make(max_batch_size=8, preferred_batch_sizes=())
+    for tag, shape in (("a", (3,)), ("b", (3,)), ("c", (5,)), ("d", (3,))):
+        s.admit(Pending(rows=1, level=2, arrival=0.0, deadline=None, payload=tag, shape=shape), 0.0)
+    first = s.step(0.0).dispatch[0]
+    assert tags(first) == ["a", "b"]  # the batch ends where the shape changes; FIFO is kept
+    s.complete(first.id, 0.01)
+    second = s.step(0.01).dispatch[0]
+    assert tags(second) == ["c"]
+
+
+def test_delay_at_the_only_level_is_served_late_not_rejected() -> None:
+    s = make(levels=(LevelPolicy(timeout_action="DELAY", default_timeout_s=0.01),), default_level=1,
+             max_batch_size=1, preferred_batch_sizes=())  # fmt: skip
+    s.admit(req(1, tag="busy"), 0.0)
+    running = s.step(0.0).dispatch[0]
+    # Admission does not refuse what the policy says to serve late, however long the wait.
+    assert s.admit(req(1, deadline=0.001, tag="late"), 0.0) is None
+    assert s.step(0.5).expired == ()
+    s.complete(running.id, 0.5)
+    assert tags(s.step(0.5).dispatch[0]) == ["late"]
