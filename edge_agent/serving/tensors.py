@@ -113,6 +113,39 @@ def _pick_loads() -> Callable[[bytes], Any]:
 _json_loads = _pick_loads()
 
 
+def _pick_numpy_dumps() -> Callable[[np.ndarray], str | None] | None:
+    """orjson writes a numpy array's numbers about 10x faster than printf, shortest round-trip form included."""
+    try:
+        import orjson
+    except ImportError:
+        return None
+
+    def dumps(array: np.ndarray) -> str | None:
+        text = orjson.dumps(array, option=orjson.OPT_SERIALIZE_NUMPY)
+        if b"null" in text:  # orjson writes NaN and Infinity as null: let the slow path spell them
+            return None
+        return text[1:-1].decode()
+
+    return dumps
+
+
+def _pick_dumps() -> Callable[[Any], str]:
+    """Compact JSON for the small parts of a response (orjson when installed: a few microseconds less each)."""
+    try:
+        import orjson
+    except ImportError:
+        return lambda value: json.dumps(value, separators=(",", ":"))
+    return lambda value: orjson.dumps(value).decode()
+
+
+_numpy_dumps = _pick_numpy_dumps()
+_compact_dumps = _pick_dumps()
+# Datatypes orjson writes exactly (shortest repr that reads back to the same value); FP16/BF16 keep printf.
+_ORJSON_DATATYPES = frozenset(
+    {"FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
+)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class InferInput:
     """One decoded input. `array` has `shape`; from binary data it is a read-only view of the body."""
@@ -575,9 +608,9 @@ def encode_response(
             blob = _wire_bytes(array, spec.datatype)
             head["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
-            parts.append(json.dumps(head, separators=(",", ":")))
+            parts.append(_compact_dumps(head))
         else:
-            parts.append(f'{json.dumps(head, separators=(",", ":"))[:-1]},"data":[{text}]}}')
+            parts.append(f'{_compact_dumps(head)[:-1]},"data":[{text}]}}')
 
     top: dict[str, Any] = {}
     if request_id is not None:
@@ -586,7 +619,7 @@ def encode_response(
     top["model_version"] = model_version
     if parameters:
         top["parameters"] = parameters
-    header = f'{json.dumps(top, separators=(",", ":"))[:-1]},"outputs":[{",".join(parts)}]}}'.encode()
+    header = f'{_compact_dumps(top)[:-1]},"outputs":[{",".join(parts)}]}}'.encode()
     if not blobs:
         return header, None
     return b"".join([header, *blobs]), len(header)
@@ -610,6 +643,10 @@ def _json_data(array: np.ndarray, datatype: str) -> str | None:
         except UnicodeDecodeError:
             return None
         return json.dumps(strings)[1:-1]
+    if _numpy_dumps is not None and datatype in _ORJSON_DATATYPES and array.dtype.kind in "iuf":
+        text = _numpy_dumps(np.ascontiguousarray(array).ravel())
+        if text is not None:
+            return text
     fmt = _FLOAT_FORMATS.get(datatype)
     if fmt is not None and np.isfinite(array).all():
         # Fixed-precision printf is about 3x faster than json's shortest-repr floats for [1, 1000] FP32.
