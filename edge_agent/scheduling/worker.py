@@ -4,10 +4,10 @@ moves results out (one future per request; an exception fails every request of i
 from __future__ import annotations
 
 import asyncio
-import functools
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +55,13 @@ class _Job:
     dispatched: float = 0.0
 
 
+@dataclass(eq=False)
+class _Instance:
+    runner: BatchRunner
+    work: queue.SimpleQueue[Batch | None]
+    thread: threading.Thread | None = None
+
+
 @dataclass
 class _Result:
     outputs: list[dict[str, np.ndarray]] | None = None
@@ -80,8 +87,17 @@ class ModelWorker:
         self.batching = batching
         self.stats = ModelStats()
         self._clock = clock
-        self._free = list(runners)
-        self._executor = ThreadPoolExecutor(max_workers=len(runners), thread_name_prefix=f"infer-{name}")
+        # One thread per instance, fed through a SimpleQueue and answering with call_soon_threadsafe: the
+        # leanest hand-off there is (a ThreadPoolExecutor adds futures, locks and chaining on every batch).
+        self._free: list[_Instance] = []
+        for i, runner in enumerate(runners):
+            instance = _Instance(runner, queue.SimpleQueue())
+            thread = threading.Thread(target=self._serve_instance, args=(instance,), name=f"infer-{name}-{i}",
+                                      daemon=True)  # fmt: skip
+            instance.thread = thread
+            thread.start()
+            self._free.append(instance)
+        self._instances = list(self._free)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
@@ -116,12 +132,10 @@ class ModelWorker:
                     Refused(Rejection("timeout", f"timed out after {waited:.1f} ms in the queue", 1.0))
                 )
         for batch in step.dispatch:
-            runner = self._free.pop()
+            instance = self._free.pop()
             for pending in batch.requests:
                 pending.payload.dispatched = now
-            assert self._loop is not None
-            future = self._loop.run_in_executor(self._executor, self._run, batch, runner)
-            future.add_done_callback(functools.partial(self._finish, batch, runner))
+            instance.work.put(batch)
         self._arm(step.wake_at, now)
         if self.scheduler.idle:
             self._idle.set()
@@ -161,11 +175,23 @@ class ModelWorker:
         except Exception as exc:  # the model failed: every request of the batch gets the error
             return _Result(error=exc)
 
-    def _finish(self, batch: Batch, runner: BatchRunner, done: asyncio.Future[_Result]) -> None:
+    def _serve_instance(self, instance: _Instance) -> None:
+        """An instance's thread: run each batch it is handed, give the result back to the event loop."""
+        while True:
+            batch = instance.work.get()
+            if batch is None:
+                return
+            result = self._run(batch, instance.runner)
+            assert self._loop is not None
+            try:
+                self._loop.call_soon_threadsafe(self._finish, batch, instance, result)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                return
+
+    def _finish(self, batch: Batch, instance: _Instance, result: _Result) -> None:
         now = self._clock()
         self.scheduler.complete(batch.id, now)
-        self._free.append(runner)
-        result = done.result()
+        self._free.append(instance)
         if result.error is None:
             self.profile.observe(batch.rows, result.compute_s)
         self.stats.batch(batch.rows, result.compute_s, ok=result.error is None)
@@ -193,4 +219,8 @@ class ModelWorker:
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._executor.shutdown(wait=True)
+        for instance in self._instances:
+            instance.work.put(None)
+        for instance in self._instances:
+            if instance.thread is not None:
+                instance.thread.join(timeout=30)
