@@ -20,6 +20,12 @@ def serve(
     allow_unauthenticated: Annotated[
         bool, typer.Option(help="serve beyond loopback without a token (not recommended)")
     ] = False,
+    control_plane: Annotated[
+        str | None, typer.Option(help="control plane URL: OTLP metrics go to <URL>/v1/metrics")
+    ] = None,
+    agent_token: Annotated[
+        str | None, typer.Option(envvar="SPILLWAY_AGENT_TOKEN", help="this agent's token (or SPILLWAY_AGENT_TOKEN)")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error")] = "info",
 ) -> None:
     """Serve the models of a repository over the Open Inference Protocol (KServe V2)."""
@@ -35,7 +41,8 @@ def serve(
     try:
         agent = AgentConfig.load(
             config, model_repository=model_repository, host=host, port=port,
-            allow_unauthenticated=allow_unauthenticated or None,
+            allow_unauthenticated=allow_unauthenticated or None, control_plane=control_plane,
+            agent_token=agent_token,
         )  # fmt: skip
     except (ValidationError, ValueError, OSError) as exc:
         typer.echo(f"error: invalid agent config: {exc}", err=True)

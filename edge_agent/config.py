@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from edge_agent.telemetry.metrics import DEFAULT_LATENCY_BUCKETS_MS, TelemetrySettings
 
 
 class AgentConfig(BaseModel):
@@ -32,6 +35,42 @@ class AgentConfig(BaseModel):
     aging_s: float | None = Field(default=None, gt=0, description="serve a request waiting this long first")
     allow_non_finite: bool = Field(default=True, description="accept NaN/Inf in float inputs")
     drain_timeout_s: float = Field(default=30.0, gt=0)
+    # Telemetry (OTLP metrics). Exported only when a destination is set.
+    agent_id: str | None = Field(default=None, max_length=64, description="service.instance.id; default the host name")
+    device_class: str = Field(default="cpu", max_length=32)
+    labels: dict[str, str] = Field(default_factory=dict)
+    control_plane: str | None = Field(default=None, description="control plane base URL: metrics to /v1/metrics")
+    agent_token: SecretStr | None = Field(default=None, description="the agent's token from the control plane")
+    otlp_endpoints: list[str] = Field(default_factory=list, description="more OTLP/HTTP metrics endpoints")
+    export_interval_s: float = Field(default=5.0, gt=0)
+    latency_buckets_ms: list[float] = Field(
+        default_factory=lambda: list(DEFAULT_LATENCY_BUCKETS_MS),
+        min_length=1,
+        description="histogram boundaries; every SLO latency threshold should be one",
+    )
+
+    @model_validator(mode="after")
+    def _telemetry_needs_a_token(self) -> AgentConfig:
+        if self.control_plane is not None and self.agent_token is None:
+            raise ValueError("control_plane needs agent_token: the control plane accepts metrics only from agents")
+        if any(b <= 0 for b in self.latency_buckets_ms):
+            raise ValueError("latency_buckets_ms must be positive")
+        return self
+
+    def telemetry(self) -> TelemetrySettings | None:
+        """Telemetry settings, or None when no destination is configured."""
+        if self.control_plane is None and not self.otlp_endpoints:
+            return None
+        return TelemetrySettings(
+            agent_id=self.agent_id or socket.gethostname(),
+            device_class=self.device_class,
+            labels=dict(self.labels),
+            control_plane=self.control_plane,
+            agent_token=self.agent_token.get_secret_value() if self.agent_token else None,
+            otlp_endpoints=tuple(self.otlp_endpoints),
+            export_interval_s=self.export_interval_s,
+            latency_buckets_ms=tuple(self.latency_buckets_ms),
+        )
 
     @model_validator(mode="after")
     def _auth_beyond_loopback(self) -> AgentConfig:

@@ -5,7 +5,17 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+
+class StatsListener(Protocol):
+    """Gets every count and duration the statistics get (the agent's OpenTelemetry instruments)."""
+
+    def outcome(self, priority: int, outcome: str) -> None: ...
+
+    def durations(self, priority: int, outcome: str, queue_s: float, compute_s: float, total_s: float) -> None: ...
+
+    def batch(self, rows: int, compute_s: float, ok: bool) -> None: ...
 
 
 @dataclass
@@ -35,18 +45,25 @@ class ModelStats:
     last_inference_ms: int = 0
     batches: dict[int, _Duration] = field(default_factory=dict)
     outcomes: Counter[tuple[int, str]] = field(default_factory=Counter)
+    listener: StatsListener | None = None  # telemetry, when the agent exports metrics
 
     def outcome(self, priority: int, outcome: str) -> None:
         self.outcomes[(priority, outcome)] += 1
+        if self.listener is not None:
+            self.listener.outcome(priority, outcome)
 
     def request(self, priority: int, outcome: str, queue_s: float, compute_s: float, total_s: float) -> None:
         self.outcome(priority, outcome)
+        if self.listener is not None:
+            self.listener.durations(priority, outcome, queue_s, compute_s, total_s)
         (self.success if outcome == "local" else self.fail).add(total_s)
         self.queue.add(queue_s)
         if outcome == "local":
             self.inference_count += 1
 
     def batch(self, rows: int, compute_s: float, ok: bool) -> None:
+        if self.listener is not None:
+            self.listener.batch(rows, compute_s, ok)
         self.execution_count += 1
         self.last_inference_ms = int(time.time() * 1000)
         if ok:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Iterable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -17,6 +18,9 @@ from edge_agent.scheduling.core import LevelPolicy, Scheduler, SchedulerConfig
 from edge_agent.scheduling.worker import ModelWorker
 from edge_agent.serving.app import InferenceApp
 from edge_agent.serving.models import LoadedModel, ModelRegistry
+
+if TYPE_CHECKING:
+    from edge_agent.telemetry import AgentTelemetry
 
 log = logging.getLogger("spillway.agent")
 
@@ -121,8 +125,36 @@ def serve(agent: AgentConfig, *, registry: ModelRegistry | None = None, log_leve
     options: dict[str, Any] = {"host": agent.host, "port": agent.port, "log_level": log_level,
                                "access_log": False, "server_header": False, "lifespan": "on"}  # fmt: skip
     server = DrainingServer(uvicorn.Config(app, **options), app, agent.drain_timeout_s)
+    telemetry = start_telemetry(agent, registry)
     try:
         server.run()
     finally:
         for model in registry.all():
             model.worker.close()
+        if telemetry is not None:
+            telemetry.shutdown()
+
+
+def start_telemetry(agent: AgentConfig, registry: ModelRegistry) -> AgentTelemetry | None:
+    """Hook every model's statistics to the OpenTelemetry instruments, if metrics have somewhere to go."""
+    settings = agent.telemetry()
+    if settings is None:
+        return None
+    from edge_agent.telemetry import AgentTelemetry
+
+    telemetry = AgentTelemetry(settings)
+    attach_telemetry(telemetry, registry)
+    log.info("exporting metrics every %.0f s as agent %s", settings.export_interval_s, settings.agent_id)
+    return telemetry
+
+
+def attach_telemetry(telemetry: AgentTelemetry, registry: ModelRegistry) -> None:
+    for model in registry.all():
+        model.worker.stats.listener = telemetry.recorder(model.config.name, model.version)
+
+    def depths() -> Iterable[tuple[dict[str, Any], int]]:
+        for model in registry.all():
+            for level, depth in enumerate(model.worker.scheduler.depth(), 1):
+                yield {"model": model.config.name, "model.version": str(model.version), "priority": level}, depth
+
+    telemetry.watch_queue(depths)

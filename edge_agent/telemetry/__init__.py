@@ -1,0 +1,5 @@
+"""OpenTelemetry for the agent: the request, queue, compute and batch instruments, device probes, OTLP export."""
+
+from edge_agent.telemetry.metrics import AgentTelemetry, ModelRecorder, TelemetrySettings
+
+__all__ = ["AgentTelemetry", "ModelRecorder", "TelemetrySettings"]

@@ -1,0 +1,158 @@
+"""The agent's OpenTelemetry meter provider: instruments named as in ARCHITECTURE.md ("Metric names"), explicit
+histogram buckets (so that every SLO latency threshold is a bucket boundary), OTLP/HTTP export that never
+blocks or crashes serving (its own thread, bounded timeouts; a failed export is logged and dropped)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from opentelemetry.sdk.resources import Resource
+
+from edge_agent import __version__
+from edge_agent.telemetry.probes import register_probes
+
+log = logging.getLogger("spillway.agent.telemetry")
+
+DEFAULT_LATENCY_BUCKETS_MS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DURATIONS = ("spillway.request.duration", "spillway.queue.duration", "spillway.compute.duration")
+
+
+@dataclass(frozen=True)
+class TelemetrySettings:
+    """Who the agent is and where its metrics go."""
+
+    agent_id: str
+    device_class: str = "cpu"
+    labels: dict[str, str] = field(default_factory=dict)
+    control_plane: str | None = None  # metrics go to <control_plane>/v1/metrics with the agent token
+    agent_token: str | None = None
+    otlp_endpoints: tuple[str, ...] = ()  # further OTLP/HTTP metrics endpoints (a collector), no token
+    export_interval_s: float = 5.0
+    export_timeout_s: float = 5.0
+    latency_buckets_ms: tuple[float, ...] = DEFAULT_LATENCY_BUCKETS_MS
+
+
+def resource_for(settings: TelemetrySettings) -> Resource:
+    attributes: dict[str, Any] = {
+        "service.name": "spillway-edge-agent",
+        "service.version": __version__,
+        "service.instance.id": settings.agent_id,
+        "host.name": socket.gethostname(),
+        "spillway.device.class": settings.device_class,
+    }
+    attributes.update({f"spillway.label.{key}": value for key, value in settings.labels.items()})
+    return Resource.create(attributes)
+
+
+def otlp_readers(settings: TelemetrySettings) -> list[MetricReader]:
+    """One periodic reader per destination, each with the real OTLP/HTTP protobuf exporter."""
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+    destinations: list[tuple[str, dict[str, str]]] = []
+    if settings.control_plane:
+        headers = {"Authorization": f"Bearer {settings.agent_token}"} if settings.agent_token else {}
+        destinations.append((settings.control_plane.rstrip("/") + "/v1/metrics", headers))
+    destinations += [(endpoint, {}) for endpoint in settings.otlp_endpoints]
+    return [
+        PeriodicExportingMetricReader(
+            OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=settings.export_timeout_s),
+            export_interval_millis=settings.export_interval_s * 1000,
+            export_timeout_millis=settings.export_timeout_s * 1000,
+        )
+        for endpoint, headers in destinations
+    ]
+
+
+class AgentTelemetry:
+    """The meter provider and the agent's instruments; `recorder(model, version)` gives each model its hooks."""
+
+    def __init__(
+        self, settings: TelemetrySettings, *, readers: Sequence[MetricReader] | None = None, probes: bool = True
+    ) -> None:
+        buckets_s = tuple(ms / 1000 for ms in sorted(settings.latency_buckets_ms))
+        views = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(buckets_s))
+                 for name in DURATIONS]  # fmt: skip
+        views.append(View(instrument_name="spillway.batch.size",
+                          aggregation=ExplicitBucketHistogramAggregation(BATCH_BUCKETS)))  # fmt: skip
+        all_readers = list(readers) if readers is not None else otlp_readers(settings)
+        self.provider = MeterProvider(resource=resource_for(settings), metric_readers=all_readers, views=views)
+        meter = self.provider.get_meter("spillway.edge_agent", __version__)
+        self.requests = meter.create_counter("spillway.requests", unit="{request}", description="requests by outcome")
+        self.request_duration = meter.create_histogram(
+            "spillway.request.duration", unit="s", description="arrival at the agent to answer"
+        )
+        self.queue_duration = meter.create_histogram("spillway.queue.duration", unit="s", description="time queued")
+        self.compute_duration = meter.create_histogram(
+            "spillway.compute.duration", unit="s", description="model run time of the request's batch"
+        )
+        self.batch_size = meter.create_histogram("spillway.batch.size", unit="{row}", description="rows per batch")
+        self._queue_sources: list[Callable[[], Iterable[tuple[dict[str, Any], int]]]] = []
+        meter.create_observable_gauge("spillway.queue.depth", callbacks=[self._observe_queues], unit="{request}",
+                                      description="requests queued, per model and priority")  # fmt: skip
+        if probes:
+            register_probes(meter)
+        self._closed = False
+
+    def recorder(self, model: str, version: int) -> ModelRecorder:
+        return ModelRecorder(self, model, str(version))
+
+    def watch_queue(self, source: Callable[[], Iterable[tuple[dict[str, Any], int]]]) -> None:
+        """`source()` yields (attributes, depth) pairs when the gauge is read."""
+        self._queue_sources.append(source)
+
+    def _observe_queues(self, _options: CallbackOptions) -> Iterable[Observation]:
+        for source in self._queue_sources:
+            for attributes, depth in source():
+                yield Observation(depth, attributes)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Flush once and stop; bounded, and safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.provider.shutdown(timeout_millis=timeout_s * 1000)
+        except Exception:  # telemetry never takes the host down
+            log.warning("telemetry shutdown failed", exc_info=True)
+
+
+class ModelRecorder:
+    """One model version's hooks, with its attribute sets built once per (priority, outcome)."""
+
+    def __init__(self, telemetry: AgentTelemetry, model: str, version: str) -> None:
+        self.telemetry = telemetry
+        self.model, self.version = model, version
+        self._attributes: dict[tuple[int, str], dict[str, Any]] = {}
+        self._batch_attributes = {"model": model, "model.version": version}
+
+    def attributes(self, priority: int, outcome: str) -> dict[str, Any]:
+        key = (priority, outcome)
+        found = self._attributes.get(key)
+        if found is None:
+            found = {"model": self.model, "model.version": self.version, "priority": priority, "outcome": outcome}
+            self._attributes[key] = found
+        return found
+
+    def outcome(self, priority: int, outcome: str) -> None:
+        self.telemetry.requests.add(1, self.attributes(priority, outcome))
+
+    def durations(self, priority: int, outcome: str, queue_s: float, compute_s: float, total_s: float) -> None:
+        attributes = self.attributes(priority, outcome)
+        t = self.telemetry
+        t.request_duration.record(total_s, attributes)
+        t.queue_duration.record(queue_s, attributes)
+        if outcome == "local":
+            t.compute_duration.record(compute_s, attributes)
+
+    def batch(self, rows: int, compute_s: float, ok: bool) -> None:
+        if ok:
+            self.telemetry.batch_size.record(rows, self._batch_attributes)
