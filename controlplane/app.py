@@ -14,7 +14,7 @@ from sqlalchemy import text
 
 from controlplane import __version__
 from controlplane.api import access as access_routes
-from controlplane.api import events, status
+from controlplane.api import events, ingest, status
 from controlplane.api.authn import Authenticate
 from controlplane.api.deps import Viewer, require_admin, require_editor, require_viewer
 from controlplane.api.errors import install_error_handlers
@@ -24,6 +24,7 @@ from controlplane.db.migrate import head_revision, migrate_to
 from controlplane.db.models import Agent, Backend, Rule, Slo, utcnow
 from controlplane.db.repository import ResourceKind
 from controlplane.db.session import make_engine, make_sessionmaker
+from controlplane.ingest.receiver import Ingestor
 from controlplane.schemas.access import AgentCreate, AgentPatch, AgentRead
 from controlplane.schemas.backends import BackendCreate, BackendPatch, BackendRead
 from controlplane.schemas.common import ERROR_RESPONSES
@@ -115,6 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.engine = engine
         app.state.sessionmaker = make_sessionmaker(engine)
         app.state.schema_head = head_revision()
+        app.state.ingestor = Ingestor(app.state.sessionmaker, max_series_per_agent=settings.max_series_per_agent)
         try:
             yield
         finally:
@@ -133,9 +135,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     # Outermost first: refuse oversized bodies, then authenticate, then route.
     app.add_middleware(Authenticate)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimit, max_bytes=settings.max_body_bytes, per_path={"/v1/metrics": settings.ingest_max_body_bytes}
+    )
     app.include_router(status.probes)
     app.include_router(_api_router(settings))
+    app.include_router(ingest.router, responses=ERROR_RESPONSES)
 
     @app.get("/api/v1/openapi.json", include_in_schema=False)
     def openapi(_: Viewer) -> dict[str, Any]:

@@ -24,6 +24,10 @@ class Settings(BaseSettings):
     port: int = Field(default=8400, ge=1, le=65535, description="Port the control plane listens on.")
     migrate_on_start: bool = Field(default=True, description="Run Alembic migrations to head when `serve` starts.")
     max_body_bytes: int = Field(default=1 << 20, gt=0, description="Largest request body the REST API accepts.")
+    ingest_max_body_bytes: int = Field(
+        default=16 << 20, gt=0, description="Largest OTLP metrics export accepted (also after gzip inflation)."
+    )
+    max_series_per_agent: int = Field(default=10_000, gt=0, description="Series an agent may report (cardinality).")
     stale_after_s: float = Field(default=15.0, gt=0, description="An agent not seen for this long is `stale`.")
     tls_certfile: str | None = Field(default=None, description="PEM certificate: set with the key file to serve HTTPS.")
     tls_keyfile: str | None = Field(default=None, description="PEM private key for `tls_certfile`.")

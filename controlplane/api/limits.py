@@ -12,21 +12,22 @@ class BodyTooLarge(HTTPException):
     """Raised from `receive` so that the framework answers 413 through its usual error handler."""
 
     def __init__(self, max_bytes: int) -> None:
-        super().__init__(413, f"request body exceeds {max_bytes} bytes (SPILLWAY_MAX_BODY_BYTES)")
+        super().__init__(413, f"request body exceeds {max_bytes} bytes")
 
 
 class BodyLimit:
     """413 for bodies over `max_bytes`, without ever holding more than `max_bytes` of one."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, exempt_prefixes: tuple[str, ...] = ()) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, per_path: dict[str, int] | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
-        self.exempt_prefixes = exempt_prefixes
+        self.default_max_bytes = max_bytes
+        self.per_path = per_path or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"].startswith(self.exempt_prefixes):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.per_path.get(scope["path"], self.default_max_bytes)
         if "\x00" in scope["path"] or b"%00" in scope["query_string"].lower():
             await self._send_error(send, 400, "bad_request", "NUL characters are not allowed in URLs", None)
             return
@@ -36,8 +37,8 @@ class BodyLimit:
                     declared = int(value)
                 except ValueError:
                     declared = -1
-                if declared > self.max_bytes:
-                    await self._refuse(send)
+                if declared > max_bytes:
+                    await self._refuse(send, max_bytes)
                     return
         seen = 0
         started = False
@@ -47,8 +48,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
+                if seen > max_bytes:
+                    raise BodyTooLarge(max_bytes)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -61,11 +62,11 @@ class BodyLimit:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not started:
-                await self._refuse(send)
+                await self._refuse(send, max_bytes)
 
-    async def _refuse(self, send: Send) -> None:
-        message = f"request body exceeds {self.max_bytes} bytes (SPILLWAY_MAX_BODY_BYTES)"
-        await self._send_error(send, 413, "payload_too_large", message, {"max_bytes": self.max_bytes})
+    async def _refuse(self, send: Send, max_bytes: int) -> None:
+        message = f"request body exceeds {max_bytes} bytes"
+        await self._send_error(send, 413, "payload_too_large", message, {"max_bytes": max_bytes})
 
     @staticmethod
     async def _send_error(send: Send, status: int, code: str, message: str, details: object) -> None:

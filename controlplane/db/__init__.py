@@ -1,7 +1,7 @@
 """Storage: ORM tables, engines and sessions, and Alembic migrations."""
 
 from controlplane.db.migrate import downgrade_to, migrate_to
-from controlplane.db.models import Agent, ApiKey, Backend, Base, Event, Rule, Slo, utcnow
+from controlplane.db.models import Agent, ApiKey, Backend, Base, Event, MetricRollup, Rule, Slo, utcnow
 from controlplane.db.session import make_engine, make_sessionmaker, normalise_url, transaction
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "Backend",
     "Base",
     "Event",
+    "MetricRollup",
     "Rule",
     "Slo",
     "downgrade_to",

@@ -5,7 +5,19 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Index, Integer, String, Text, TypeDecorator
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column
@@ -144,3 +156,28 @@ class Event(Base):
     rule_id: Mapped[str | None] = mapped_column(String(16), default=None)
     reason: Mapped[str] = mapped_column(Text, default="")
     data: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class MetricRollup(Base):
+    """One series' data in one minute, summed over the agent's exports (deltas: cumulative streams converted)."""
+
+    __tablename__ = "metric_rollups"
+    __table_args__ = (
+        UniqueConstraint("agent_id", "series", "minute", name="uq_metric_rollups_series_minute"),
+        Index("ix_metric_rollups_agent_metric_minute", "agent_id", "metric", "minute"),
+    )
+
+    id: Mapped[int] = mapped_column(EventId, primary_key=True, autoincrement=True)
+    agent_id: Mapped[str] = mapped_column(String(16))
+    metric: Mapped[str] = mapped_column(String(255))
+    series: Mapped[str] = mapped_column(String(64))  # sha256 of metric + attributes
+    attributes: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    minute: Mapped[datetime] = mapped_column()
+    kind: Mapped[str] = mapped_column(String(16))  # sum | histogram | gauge
+    count: Mapped[int] = mapped_column(BigInteger, default=0)  # histogram observations, or gauge samples
+    total: Mapped[float] = mapped_column(Float, default=0.0)  # sum increase, histogram sum, or sum of gauge samples
+    buckets: Mapped[list[Any]] = mapped_column(default=list)
+    bounds: Mapped[list[Any]] = mapped_column(default=list)
+    last: Mapped[float | None] = mapped_column(Float, default=None)  # gauges
+    min: Mapped[float | None] = mapped_column(Float, default=None)
+    max: Mapped[float | None] = mapped_column(Float, default=None)

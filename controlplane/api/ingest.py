@@ -1,0 +1,47 @@
+"""`POST /v1/metrics`: the OTLP/HTTP metrics receiver, for agents only (each writes only its own metrics)."""
+
+from typing import Any
+
+from anyio import to_thread
+from fastapi import APIRouter, Request, Response
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsPartialSuccess,
+    ExportMetricsServiceResponse,
+)
+
+from controlplane.api.deps import AgentCaller, SettingsDep
+from controlplane.ingest.receiver import Ingestor, decode
+from controlplane.schemas.common import ErrorBody
+
+router = APIRouter(tags=["telemetry"])
+
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "accepted (partial_success says what was refused and why)",
+          "content": {"application/x-protobuf": {}, "application/json": {}}},
+    415: {"model": ErrorBody, "description": "not application/x-protobuf or application/json"},
+}  # fmt: skip
+
+
+@router.post("/v1/metrics", summary="Export metrics (OTLP/HTTP, protobuf or JSON, optionally gzip)",
+             responses=_RESPONSES, response_class=Response)  # fmt: skip
+async def export_metrics(request: Request, agent: AgentCaller, settings: SettingsDep) -> Response:
+    body = await request.body()
+    ingestor: Ingestor = request.app.state.ingestor
+    content_type = request.headers.get("content-type", "")
+    encoding = request.headers.get("content-encoding", "")
+
+    def work() -> Any:
+        message = decode(body, content_type, encoding, settings.ingest_max_body_bytes)
+        return ingestor.ingest(agent.id, message)
+
+    result = await to_thread.run_sync(work)
+    reply = ExportMetricsServiceResponse()
+    if result.rejected:
+        reply.partial_success.CopyFrom(
+            ExportMetricsPartialSuccess(rejected_data_points=result.rejected, error_message=result.message)
+        )
+    if content_type.split(";")[0].strip().lower() == "application/json":
+        from google.protobuf import json_format
+
+        return Response(json_format.MessageToJson(reply), media_type="application/json")
+    return Response(reply.SerializeToString(), media_type="application/x-protobuf")

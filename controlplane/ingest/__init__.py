@@ -1,0 +1,1 @@
+"""OTLP/HTTP metrics ingest: decoding, cumulative-to-delta conversion per stream, minute rollups."""

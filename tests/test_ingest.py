@@ -1,0 +1,165 @@
+"""The OTLP/HTTP receiver: the real OpenTelemetry exporter in, minute rollups out; every refusal has its status."""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from google.protobuf import json_format
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
+from sqlalchemy import select
+
+from controlplane.app import create_app
+from controlplane.db import MetricRollup, make_engine, make_sessionmaker
+from controlplane.settings import Settings
+from edge_agent.scheduling.stats import ModelStats
+from edge_agent.telemetry import AgentTelemetry, TelemetrySettings
+from tests.conftest import make_keys
+from tests.utils.builders import make_agent
+from tests.utils.server import serving
+
+
+@dataclass
+class Plane:
+    url: str
+    db: str
+    admin: str
+    agent_id: str
+    token: str
+
+    def rollups(self, metric: str) -> list[MetricRollup]:
+        engine = make_engine(self.db)
+        try:
+            with make_sessionmaker(engine)() as session:
+                return list(session.scalars(select(MetricRollup).where(MetricRollup.metric == metric)))
+        finally:
+            engine.dispose()
+
+
+@pytest.fixture
+def plane(db_url: str) -> Iterator[Plane]:
+    admin = make_keys(db_url)["admin"]
+    with serving(create_app(Settings(database_url=db_url, max_series_per_agent=40))) as url:
+        created = httpx.post(f"{url}/api/v1/agents", json=make_agent(), headers={"Authorization": f"Bearer {admin}"})
+        body = created.json()
+        yield Plane(url, db_url, admin, body["agent"]["id"], body["token"])
+
+
+def _telemetry(plane: Plane, agent_id: str | None = None) -> AgentTelemetry:
+    settings = TelemetrySettings(
+        agent_id=agent_id or plane.agent_id, control_plane=plane.url, agent_token=plane.token,
+        export_interval_s=3600, latency_buckets_ms=(10.0, 100.0),
+    )  # fmt: skip
+    return AgentTelemetry(settings, probes=False)
+
+
+def test_the_real_exporter_lands_in_minute_rollups_without_double_counting(plane: Plane) -> None:
+    telemetry = _telemetry(plane)
+    stats = ModelStats(listener=telemetry.recorder("mlp", 1))
+    for total_s in (0.005, 0.006, 0.050, 0.500):
+        stats.request(1, "local", 0.001, 0.002, total_s)
+    stats.outcome(3, "rejected")
+    assert telemetry.provider.force_flush(10_000)
+    assert telemetry.provider.force_flush(10_000)  # the same cumulative values again: nothing new
+    stats.request(1, "local", 0.001, 0.002, 0.007)
+    assert telemetry.provider.force_flush(10_000)
+    telemetry.shutdown()
+
+    requests = {(r.attributes["priority"], r.attributes["outcome"]): r.total
+                for r in plane.rollups("spillway.requests")}  # fmt: skip
+    assert requests == {(1, "local"): 5.0, (3, "rejected"): 1.0}
+    durations = [r for r in plane.rollups("spillway.request.duration") if r.attributes["priority"] == 1]
+    assert sum(r.count for r in durations) == 5
+    buckets = [sum(col) for col in zip(*(r.buckets for r in durations), strict=True)]
+    assert buckets == [3, 1, 1]  # <=10 ms, <=100 ms, above
+    assert durations[0].bounds == [0.01, 0.1]
+    agents = httpx.get(f"{plane.url}/api/v1/status", headers={"Authorization": f"Bearer {plane.admin}"}).json()
+    assert agents["agents"]["healthy"] == 1  # the agent reported: it has been seen
+
+
+def _export_body(plane: Plane) -> bytes:
+    """A protobuf export as the SDK makes it, captured from the real exporter's encoder."""
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    settings = TelemetrySettings(agent_id=plane.agent_id)
+    telemetry = AgentTelemetry(settings, readers=[reader], probes=False)
+    ModelStats(listener=telemetry.recorder("mlp", 2)).request(2, "local", 0.001, 0.002, 0.004)
+    data = reader.get_metrics_data()
+    assert data is not None
+    return bytes(encode_metrics(data).SerializeToString())
+
+
+def test_json_and_gzip_are_accepted(plane: Plane) -> None:
+    body = _export_body(plane)
+    message = ExportMetricsServiceRequest()
+    message.ParseFromString(body)
+    auth = {"Authorization": f"Bearer {plane.token}"}
+    as_json = json_format.MessageToJson(message).encode()
+    r = httpx.post(f"{plane.url}/v1/metrics", content=as_json, headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/json"
+    r = httpx.post(f"{plane.url}/v1/metrics", content=gzip.compress(body),
+                   headers={**auth, "Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    reply = ExportMetricsServiceResponse()
+    reply.ParseFromString(r.content)
+    assert reply.partial_success.rejected_data_points == 0
+
+
+def test_refusals_have_the_right_status_and_never_a_5xx(plane: Plane) -> None:
+    body = _export_body(plane)
+    auth = {"Authorization": f"Bearer {plane.token}", "Content-Type": "application/x-protobuf"}
+    url = f"{plane.url}/v1/metrics"
+    assert httpx.post(url, content=b"\xff\x00garbage", headers=auth).status_code == 400
+    assert (
+        httpx.post(url, content=b"{not json", headers={**auth, "Content-Type": "application/json"}).status_code == 400
+    )
+    assert httpx.post(url, content=body, headers={**auth, "Content-Type": "text/plain"}).status_code == 415
+    assert httpx.post(url, content=b"notgzip", headers={**auth, "Content-Encoding": "gzip"}).status_code == 400
+    assert httpx.post(url, content=b"x" * (17 << 20), headers=auth).status_code == 413
+    bomb = gzip.compress(b"\0" * (20 << 20))
+    assert httpx.post(url, content=bomb, headers={**auth, "Content-Encoding": "gzip"}).status_code == 400
+    assert httpx.post(url, content=body, headers={"Content-Type": "application/x-protobuf"}).status_code == 401
+    operator = {"Authorization": f"Bearer {plane.admin}", "Content-Type": "application/x-protobuf"}
+    assert httpx.post(url, content=body, headers=operator).status_code == 403
+    # Another agent's token cannot write this agent's metrics.
+    other = httpx.post(f"{plane.url}/api/v1/agents", json=make_agent(),
+                       headers={"Authorization": f"Bearer {plane.admin}"}).json()["token"]  # fmt: skip
+    forged = httpx.post(url, content=body, headers={**auth, "Authorization": f"Bearer {other}"})
+    assert forged.status_code == 403 and "service.instance.id" in forged.json()["message"]
+
+
+def test_unsupported_types_and_cardinality_are_reported_as_partial_success(plane: Plane) -> None:
+    message = ExportMetricsServiceRequest()
+    resource = message.resource_metrics.add()
+    attribute = resource.resource.attributes.add()
+    attribute.key, attribute.value.string_value = "service.instance.id", plane.agent_id
+    scope = resource.scope_metrics.add()
+    summary = scope.metrics.add()
+    summary.name = "legacy.summary"
+    summary.summary.data_points.add().count = 3
+    gauge = scope.metrics.add()
+    gauge.name = "queue"
+    for i in range(45):  # the plane allows 40 series per agent
+        point = gauge.gauge.data_points.add()
+        point.time_unix_nano = 1_700_000_000_000_000_000
+        point.as_int = i
+        kv = point.attributes.add()
+        kv.key, kv.value.int_value = "priority", i
+    headers = {"Authorization": f"Bearer {plane.token}", "Content-Type": "application/x-protobuf"}
+    r = httpx.post(f"{plane.url}/v1/metrics", content=message.SerializeToString(), headers=headers)
+    assert r.status_code == 200
+    reply = ExportMetricsServiceResponse()
+    reply.ParseFromString(r.content)
+    assert reply.partial_success.rejected_data_points == 1 + 5
+    assert "summary" in reply.partial_success.error_message
+    assert "cardinality" in reply.partial_success.error_message
+    assert len(plane.rollups("queue")) == 40
