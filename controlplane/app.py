@@ -20,6 +20,7 @@ from controlplane.api.deps import Viewer, require_admin, require_editor, require
 from controlplane.api.errors import install_error_handlers
 from controlplane.api.limits import BodyLimit
 from controlplane.api.resources import resource_router
+from controlplane.api.slo_status import slo_status_router
 from controlplane.db.migrate import head_revision, migrate_to
 from controlplane.db.models import Agent, Backend, Rule, Slo, utcnow
 from controlplane.db.repository import ResourceKind
@@ -52,8 +53,9 @@ def agent_reader(stale_after_s: float) -> Any:
 
 def _api_router(settings: Settings) -> APIRouter:
     api = APIRouter(responses=ERROR_RESPONSES)
+    slo_kind = ResourceKind("slo", Slo, SloCreate, SloRead.model_validate)
     kinds: list[tuple[ResourceKind[Any], str, type[BaseModel], type[BaseModel], Any, bool]] = [
-        (ResourceKind("slo", Slo, SloCreate, SloRead.model_validate), "slos", SloRead, SloPatch, require_editor, True),
+        (slo_kind, "slos", SloRead, SloPatch, require_editor, True),
         (
             ResourceKind("rule", Rule, RuleCreate, RuleRead.model_validate),
             "rules",
@@ -86,6 +88,7 @@ def _api_router(settings: Settings) -> APIRouter:
                 with_create=with_create,
             )
         )
+    api.include_router(slo_status_router(slo_kind))
     api.include_router(access_routes.keys_router)
     api.include_router(events.router)
     api.include_router(status.router)

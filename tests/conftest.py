@@ -11,14 +11,17 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, select, text
 from sqlalchemy.engine import make_url
 
 from controlplane.access import issue_api_key
 from controlplane.app import create_app
-from controlplane.db import make_engine, make_sessionmaker, migrate_to, normalise_url, transaction
+from controlplane.db import MetricRollup, make_engine, make_sessionmaker, migrate_to, normalise_url, transaction
 from controlplane.db.repository import Actor
 from controlplane.settings import Settings
+from edge_agent.telemetry import AgentTelemetry, TelemetrySettings
+from tests.utils.builders import make_agent
+from tests.utils.server import serving
 
 PG_ENV = "SPILLWAY_TEST_POSTGRES_URL"
 
@@ -121,3 +124,37 @@ def api(db_url: str) -> Iterator[Api]:
 def sqlite_api(sqlite_url: str) -> Iterator[Api]:
     """The real app on SQLite only, for tests whose subject is not the database."""
     yield from open_api(sqlite_url)
+
+
+@dataclass
+class Plane:
+    url: str
+    db: str
+    admin: str
+    agent_id: str
+    token: str
+
+    def rollups(self, metric: str) -> list[MetricRollup]:
+        engine = make_engine(self.db)
+        try:
+            with make_sessionmaker(engine)() as session:
+                return list(session.scalars(select(MetricRollup).where(MetricRollup.metric == metric)))
+        finally:
+            engine.dispose()
+
+
+@pytest.fixture
+def plane(db_url: str) -> Iterator[Plane]:
+    admin = make_keys(db_url)["admin"]
+    with serving(create_app(Settings(database_url=db_url, max_series_per_agent=40))) as url:
+        created = httpx.post(f"{url}/api/v1/agents", json=make_agent(), headers={"Authorization": f"Bearer {admin}"})
+        body = created.json()
+        yield Plane(url, db_url, admin, body["agent"]["id"], body["token"])
+
+
+def telemetry_for(plane: Plane, agent_id: str | None = None) -> AgentTelemetry:
+    settings = TelemetrySettings(
+        agent_id=agent_id or plane.agent_id, control_plane=plane.url, agent_token=plane.token,
+        export_interval_s=3600, latency_buckets_ms=(10.0, 100.0),
+    )  # fmt: skip
+    return AgentTelemetry(settings, probes=False)

@@ -3,64 +3,22 @@
 from __future__ import annotations
 
 import gzip
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
-import pytest
 from google.protobuf import json_format
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
     ExportMetricsServiceResponse,
 )
-from sqlalchemy import select
 
-from controlplane.app import create_app
-from controlplane.db import MetricRollup, make_engine, make_sessionmaker
-from controlplane.settings import Settings
 from edge_agent.scheduling.stats import ModelStats
 from edge_agent.telemetry import AgentTelemetry, TelemetrySettings
-from tests.conftest import make_keys
+from tests.conftest import Plane, telemetry_for
 from tests.utils.builders import make_agent
-from tests.utils.server import serving
-
-
-@dataclass
-class Plane:
-    url: str
-    db: str
-    admin: str
-    agent_id: str
-    token: str
-
-    def rollups(self, metric: str) -> list[MetricRollup]:
-        engine = make_engine(self.db)
-        try:
-            with make_sessionmaker(engine)() as session:
-                return list(session.scalars(select(MetricRollup).where(MetricRollup.metric == metric)))
-        finally:
-            engine.dispose()
-
-
-@pytest.fixture
-def plane(db_url: str) -> Iterator[Plane]:
-    admin = make_keys(db_url)["admin"]
-    with serving(create_app(Settings(database_url=db_url, max_series_per_agent=40))) as url:
-        created = httpx.post(f"{url}/api/v1/agents", json=make_agent(), headers={"Authorization": f"Bearer {admin}"})
-        body = created.json()
-        yield Plane(url, db_url, admin, body["agent"]["id"], body["token"])
-
-
-def _telemetry(plane: Plane, agent_id: str | None = None) -> AgentTelemetry:
-    settings = TelemetrySettings(
-        agent_id=agent_id or plane.agent_id, control_plane=plane.url, agent_token=plane.token,
-        export_interval_s=3600, latency_buckets_ms=(10.0, 100.0),
-    )  # fmt: skip
-    return AgentTelemetry(settings, probes=False)
 
 
 def test_the_real_exporter_lands_in_minute_rollups_without_double_counting(plane: Plane) -> None:
-    telemetry = _telemetry(plane)
+    telemetry = telemetry_for(plane)
     stats = ModelStats(listener=telemetry.recorder("mlp", 1))
     for total_s in (0.005, 0.006, 0.050, 0.500):
         stats.request(1, "local", 0.001, 0.002, total_s)

@@ -1,0 +1,1 @@
+"""SLIs, error budgets and multiwindow burn rates, from the agents' metric rollups."""
