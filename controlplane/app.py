@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -108,6 +109,29 @@ def migrate_locked(engine: Any, url: str) -> None:
             conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _MIGRATION_LOCK})
 
 
+def prune_once(app: FastAPI, settings: Settings) -> int:
+    """Delete minute rollups older than the retention; returns how many went."""
+    from controlplane.db.session import transaction
+    from controlplane.ingest.receiver import prune
+
+    with transaction(app.state.sessionmaker) as session:
+        return prune(session, utcnow() - timedelta(days=settings.retention_days))
+
+
+async def _retention_loop(app: FastAPI, settings: Settings, every_s: float = 3600.0) -> None:
+    """Apply the retention once at start and then every hour, off the event loop."""
+    from anyio import to_thread
+
+    while True:
+        try:
+            removed = await to_thread.run_sync(prune_once, app, settings)
+            if removed:
+                log.info("retention: deleted %d minute rollups older than %.0f days", removed, settings.retention_days)
+        except Exception:  # a failed pass is retried next time; it never takes the API down
+            log.warning("retention pass failed", exc_info=True)
+        await asyncio.sleep(every_s)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
@@ -120,9 +144,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.sessionmaker = make_sessionmaker(engine)
         app.state.schema_head = head_revision()
         app.state.ingestor = Ingestor(app.state.sessionmaker, max_series_per_agent=settings.max_series_per_agent)
+        app.state.ingest_slots = asyncio.Semaphore(settings.ingest_max_concurrent)
+        retention = asyncio.create_task(_retention_loop(app, settings))
         try:
             yield
         finally:
+            retention.cancel()
             engine.dispose()
 
     app = FastAPI(

@@ -28,6 +28,10 @@ class Settings(BaseSettings):
         default=16 << 20, gt=0, description="Largest OTLP metrics export accepted (also after gzip inflation)."
     )
     max_series_per_agent: int = Field(default=10_000, gt=0, description="Series an agent may report (cardinality).")
+    ingest_max_concurrent: int = Field(
+        default=8, gt=0, description="OTLP exports processed at once; beyond it 503 with Retry-After (overload)."
+    )
+    retention_days: float = Field(default=35.0, gt=0, description="Minute rollups older than this are deleted.")
     stale_after_s: float = Field(default=15.0, gt=0, description="An agent not seen for this long is `stale`.")
     tls_certfile: str | None = Field(default=None, description="PEM certificate: set with the key file to serve HTTPS.")
     tls_keyfile: str | None = Field(default=None, description="PEM private key for `tls_certfile`.")

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -133,6 +134,7 @@ class Plane:
     admin: str
     agent_id: str
     token: str
+    app: Any = None
 
     def rollups(self, metric: str) -> list[MetricRollup]:
         engine = make_engine(self.db)
@@ -146,10 +148,11 @@ class Plane:
 @pytest.fixture
 def plane(db_url: str) -> Iterator[Plane]:
     admin = make_keys(db_url)["admin"]
-    with serving(create_app(Settings(database_url=db_url, max_series_per_agent=40))) as url:
+    app = create_app(Settings(database_url=db_url, max_series_per_agent=40))
+    with serving(app) as url:
         created = httpx.post(f"{url}/api/v1/agents", json=make_agent(), headers={"Authorization": f"Bearer {admin}"})
         body = created.json()
-        yield Plane(url, db_url, admin, body["agent"]["id"], body["token"])
+        yield Plane(url, db_url, admin, body["agent"]["id"], body["token"], app)
 
 
 def telemetry_for(plane: Plane, agent_id: str | None = None) -> AgentTelemetry:

@@ -10,7 +10,10 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
     ExportMetricsServiceResponse,
 )
+from sqlalchemy import select
 
+from controlplane.app import create_app
+from controlplane.settings import Settings
 from edge_agent.scheduling.stats import ModelStats
 from edge_agent.telemetry import AgentTelemetry, TelemetrySettings
 from tests.conftest import Plane, telemetry_for
@@ -121,3 +124,50 @@ def test_unsupported_types_and_cardinality_are_reported_as_partial_success(plane
     assert "summary" in reply.partial_success.error_message
     assert "cardinality" in reply.partial_success.error_message
     assert len(plane.rollups("queue")) == 40
+
+
+def test_rollups_past_the_retention_are_deleted(sqlite_url: str) -> None:
+    from datetime import timedelta
+
+    from fastapi.testclient import TestClient
+
+    from controlplane.app import prune_once
+    from controlplane.db import MetricRollup, make_engine, make_sessionmaker, transaction, utcnow
+
+    settings = Settings(database_url=sqlite_url, retention_days=35)
+    app = create_app(settings)
+    with TestClient(app):
+        engine = make_engine(sqlite_url)
+        with transaction(make_sessionmaker(engine)) as session:
+            for age_days in (40, 36, 34, 0):
+                session.add(MetricRollup(agent_id="a", metric="m", series=f"s{age_days}", attributes={},
+                                         minute=utcnow() - timedelta(days=age_days), kind="sum"))  # fmt: skip
+        assert prune_once(app, settings) == 2
+        with make_sessionmaker(engine)() as session:
+            kept = sorted(r.series for r in session.scalars(select(MetricRollup)))
+        engine.dispose()
+    assert kept == ["s0", "s34"]
+
+
+def test_overload_answers_503_with_retry_after(plane: Plane) -> None:
+    """With every ingest slot taken, an export is turned away at once (the SDK exporter retries it later)."""
+    import asyncio
+
+    from controlplane.ingest.receiver import Overloaded
+
+    body = _export_body(plane)
+    headers = {"Authorization": f"Bearer {plane.token}", "Content-Type": "application/x-protobuf"}
+    # The fixture's app runs in another thread; take its slots through its own event loop.
+    app = plane.app
+    slots: asyncio.Semaphore = app.state.ingest_slots
+    taken = 0
+    while not slots.locked():
+        slots._value -= 1
+        taken += 1
+    try:
+        r = httpx.post(f"{plane.url}/v1/metrics", content=body, headers=headers)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"] == Overloaded.code
+    finally:
+        slots._value += taken
+    assert httpx.post(f"{plane.url}/v1/metrics", content=body, headers=headers).status_code == 200

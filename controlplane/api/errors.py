@@ -39,6 +39,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SpillwayError)
     async def _domain(_: Request, exc: SpillwayError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+        if exc.status_code in (429, 503):
+            retry = exc.details.get("retry_after_s", 1) if isinstance(exc.details, dict) else 1
+            headers = {"Retry-After": str(retry)}
         return error_response(exc.status_code, exc.code, exc.message, exc.details, headers)
 
     @app.exception_handler(RequestValidationError)

@@ -1,5 +1,6 @@
 """`POST /v1/metrics`: the OTLP/HTTP metrics receiver, for agents only (each writes only its own metrics)."""
 
+import asyncio
 from typing import Any
 
 from anyio import to_thread
@@ -10,7 +11,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from controlplane.api.deps import AgentCaller, SettingsDep
-from controlplane.ingest.receiver import Ingestor, decode
+from controlplane.ingest.receiver import Ingestor, Overloaded, decode
 from controlplane.schemas.common import ErrorBody
 
 router = APIRouter(tags=["telemetry"])
@@ -19,12 +20,21 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "accepted (partial_success says what was refused and why)",
           "content": {"application/x-protobuf": {}, "application/json": {}}},
     415: {"model": ErrorBody, "description": "not application/x-protobuf or application/json"},
+    503: {"model": ErrorBody, "description": "overloaded: retry after the Retry-After header's seconds"},
 }  # fmt: skip
 
 
 @router.post("/v1/metrics", summary="Export metrics (OTLP/HTTP, protobuf or JSON, optionally gzip)",
              responses=_RESPONSES, response_class=Response)  # fmt: skip
 async def export_metrics(request: Request, agent: AgentCaller, settings: SettingsDep) -> Response:
+    slots: asyncio.Semaphore = request.app.state.ingest_slots
+    if slots.locked():  # every slot busy: tell the exporter to come back (it retries 503 with backoff)
+        raise Overloaded("the control plane is ingesting at capacity; retry later", details={"retry_after_s": 1})
+    async with slots:
+        return await _export(request, agent.id, settings)
+
+
+async def _export(request: Request, agent_id: str, settings: Any) -> Response:
     body = await request.body()
     ingestor: Ingestor = request.app.state.ingestor
     content_type = request.headers.get("content-type", "")
@@ -32,7 +42,7 @@ async def export_metrics(request: Request, agent: AgentCaller, settings: Setting
 
     def work() -> Any:
         message = decode(body, content_type, encoding, settings.ingest_max_body_bytes)
-        return ingestor.ingest(agent.id, message)
+        return ingestor.ingest(agent_id, message)
 
     result = await to_thread.run_sync(work)
     reply = ExportMetricsServiceResponse()

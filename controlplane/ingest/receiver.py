@@ -20,7 +20,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.db.models import Agent, MetricRollup, utcnow
@@ -38,6 +38,17 @@ class UndecodableMetrics(SpillwayError):
 class UnsupportedMediaType(SpillwayError):
     status_code = 415
     code = "unsupported_media_type"
+
+
+class Overloaded(SpillwayError):
+    status_code = 503
+    code = "overloaded"
+
+
+def prune(session: Session, older_than: datetime) -> int:
+    """Delete rollups of minutes before `older_than` (retention); returns how many went."""
+    result = session.execute(delete(MetricRollup).where(MetricRollup.minute < older_than))
+    return int(getattr(result, "rowcount", 0) or 0)
 
 
 def decode(body: bytes, content_type: str, content_encoding: str, max_bytes: int) -> ExportMetricsServiceRequest:
@@ -218,4 +229,4 @@ class Ingestor:
             session.execute(update(Agent).where(Agent.id == agent_id).values(last_seen=utcnow()))
 
 
-__all__ = ["IngestResult", "Ingestor", "UndecodableMetrics", "UnsupportedMediaType", "decode"]
+__all__ = ["IngestResult", "Ingestor", "Overloaded", "UndecodableMetrics", "UnsupportedMediaType", "decode", "prune"]
