@@ -8,7 +8,10 @@ SpillwayError
 ├── PreconditionFailed    412 precondition_failed
 ├── Unauthenticated       401 unauthenticated
 ├── Forbidden             403 forbidden
-└── PayloadTooLarge       413 payload_too_large
+├── PayloadTooLarge       413 payload_too_large
+├── UndecodableMetrics    400 bad_request             (OTLP ingest)
+├── UnsupportedMediaType  415 unsupported_media_type  (OTLP ingest)
+└── Overloaded            503 overloaded, with Retry-After
 """
 
 from __future__ import annotations
@@ -69,3 +72,18 @@ class Forbidden(SpillwayError):
 class PayloadTooLarge(SpillwayError):
     status_code = 413
     code = "payload_too_large"
+
+
+class UndecodableMetrics(SpillwayError):
+    status_code = 400
+    code = "bad_request"
+
+
+class UnsupportedMediaType(SpillwayError):
+    status_code = 415
+    code = "unsupported_media_type"
+
+
+class Overloaded(SpillwayError):
+    status_code = 503
+    code = "overloaded"

@@ -153,7 +153,7 @@ def test_overload_answers_503_with_retry_after(plane: Plane) -> None:
     """With every ingest slot taken, an export is turned away at once (the SDK exporter retries it later)."""
     import asyncio
 
-    from controlplane.ingest.receiver import Overloaded
+    from controlplane.errors import Overloaded
 
     body = _export_body(plane)
     headers = {"Authorization": f"Bearer {plane.token}", "Content-Type": "application/x-protobuf"}

@@ -11,7 +11,8 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from controlplane.api.deps import AgentCaller, SettingsDep
-from controlplane.ingest.receiver import Ingestor, Overloaded, decode
+from controlplane.errors import Overloaded
+from controlplane.ingest.receiver import Ingestor, decode
 from controlplane.schemas.common import ErrorBody
 
 router = APIRouter(tags=["telemetry"])

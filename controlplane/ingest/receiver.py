@@ -24,25 +24,10 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.db.models import Agent, MetricRollup, utcnow
-from controlplane.errors import Forbidden, SpillwayError
+from controlplane.errors import Forbidden, UndecodableMetrics, UnsupportedMediaType
 from controlplane.ingest.deltas import DeltaTracker, Point
 
 CUMULATIVE = 2
-
-
-class UndecodableMetrics(SpillwayError):
-    status_code = 400
-    code = "bad_request"
-
-
-class UnsupportedMediaType(SpillwayError):
-    status_code = 415
-    code = "unsupported_media_type"
-
-
-class Overloaded(SpillwayError):
-    status_code = 503
-    code = "overloaded"
 
 
 def prune(session: Session, older_than: datetime) -> int:
@@ -229,4 +214,4 @@ class Ingestor:
             session.execute(update(Agent).where(Agent.id == agent_id).values(last_seen=utcnow()))
 
 
-__all__ = ["IngestResult", "Ingestor", "Overloaded", "UndecodableMetrics", "UnsupportedMediaType", "decode", "prune"]
+__all__ = ["IngestResult", "Ingestor", "decode", "prune"]

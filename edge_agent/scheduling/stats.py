@@ -39,8 +39,7 @@ class ModelStats:
     fail: _Duration = field(default_factory=_Duration)
     queue: _Duration = field(default_factory=_Duration)
     compute_infer: _Duration = field(default_factory=_Duration)
-    inference_count: int = 0  # requests served (Triton counts rows; see `rows`)
-    rows: int = 0
+    rows: int = 0  # reported as Triton's inference_count
     execution_count: int = 0  # batches run
     last_inference_ms: int = 0
     batches: dict[int, _Duration] = field(default_factory=dict)
@@ -58,8 +57,6 @@ class ModelStats:
             self.listener.durations(priority, outcome, queue_s, compute_s, total_s)
         (self.success if outcome == "local" else self.fail).add(total_s)
         self.queue.add(queue_s)
-        if outcome == "local":
-            self.inference_count += 1
 
     def batch(self, rows: int, compute_s: float, ok: bool) -> None:
         if self.listener is not None:

@@ -11,9 +11,10 @@ from collections import Counter
 from typing import Any
 
 from edge_agent import __version__
+from edge_agent.runtime.repository import UnknownModelError
 from edge_agent.runtime.spec import ModelConfig
 from edge_agent.scheduling.worker import ExecutionFailed, Refused
-from edge_agent.serving.models import ModelRegistry, UnknownModel
+from edge_agent.serving.models import ModelRegistry
 from edge_agent.serving.tensors import (
     RequestedOutput,
     TensorError,
@@ -79,7 +80,7 @@ class InferenceApp:
                 await self._get(path, send)
             else:
                 await _respond(send, 405, encode_error(f"method {method} not allowed on {path}"))
-        except UnknownModel as exc:
+        except UnknownModelError as exc:
             await _respond(send, 404, encode_error(str(exc)))
 
     def _authorised(self, headers: dict[bytes, bytes]) -> bool:
@@ -157,7 +158,7 @@ class InferenceApp:
             return
         try:
             model = self.registry.get(name, version)
-        except UnknownModel as exc:
+        except UnknownModelError as exc:
             self.unrouted["unknown_model"] += 1
             await _reject(send, 404, str(exc), "unknown_model")
             return

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edge_agent.runtime.spec import ModelConfig, ModelVersion
+from edge_agent.runtime.repository import UnknownModelError
+from edge_agent.runtime.spec import ModelConfig
 from edge_agent.scheduling.worker import ModelWorker
 
 
@@ -20,10 +21,6 @@ class LoadedModel:
         return self.config.name, self.version
 
 
-class UnknownModel(LookupError):
-    pass
-
-
 class ModelRegistry:
     """Name -> versions; without a version a request goes to the newest loaded one."""
 
@@ -35,20 +32,16 @@ class ModelRegistry:
     def get(self, name: str, version: str | None = None) -> LoadedModel:
         versions = self._by_name.get(name)
         if not versions:
-            raise UnknownModel(f"unknown model '{name}'")
+            raise UnknownModelError(f"unknown model '{name}'")
         if version is None or version == "":
             return versions[max(versions)]
         try:
             return versions[int(version)]
         except (ValueError, KeyError):
-            raise UnknownModel(f"unknown version '{version}' of model '{name}'") from None
+            raise UnknownModelError(f"unknown version '{version}' of model '{name}'") from None
 
     def versions(self, name: str) -> list[int]:
         return sorted(self._by_name.get(name, {}))
 
     def all(self) -> list[LoadedModel]:
         return [m for versions in self._by_name.values() for _, m in sorted(versions.items())]
-
-    @staticmethod
-    def describe(version: ModelVersion) -> str:
-        return f"{version.config.name} v{version.version}"

@@ -271,13 +271,7 @@ def _decode_input(raw: Any, index: int, body: bytes, offset: int, max_elements: 
         raise TensorError(f"{label}: {datatype} needs the ml_dtypes package, which is not installed")
     shape, count = _parse_shape(raw.get("shape"), label, max_elements)
 
-    params = raw.get("parameters")
-    if params is None:
-        params = {}
-    elif not isinstance(params, dict):
-        raise TensorError(f"{label}: 'parameters' must be an object")
-    if "shared_memory_region" in params:
-        raise TensorError(f"{label}: the shared memory extension is not supported")
+    params = _tensor_parameters(raw, label)
     binary_size = params.get("binary_data_size")
     data = raw.get("data")
 
@@ -306,6 +300,18 @@ def _decode_input(raw: Any, index: int, body: bytes, offset: int, max_elements: 
     else:
         array = _array_from_json(data, datatype, shape, count, label)
     return InferInput(name, datatype, shape, array), offset
+
+
+def _tensor_parameters(raw: dict[str, Any], label: str) -> dict[str, Any]:
+    """A tensor's `parameters` object (empty when absent); the shared memory extension is refused."""
+    params = raw.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise TensorError(f"{label}: 'parameters' must be an object")
+    if "shared_memory_region" in params:
+        raise TensorError(f"{label}: the shared memory extension is not supported")
+    return params
 
 
 def _parse_shape(raw: Any, label: str, max_elements: int) -> tuple[tuple[int, ...], int]:
@@ -490,15 +496,9 @@ def _decode_outputs(raw: Any) -> list[RequestedOutput] | None:
         if name in names:
             raise TensorError(f"{label}: requested more than once")
         names.add(name)
-        params = item.get("parameters")
-        if params is None:
-            params = {}
-        elif not isinstance(params, dict):
-            raise TensorError(f"{label}: 'parameters' must be an object")
+        params = _tensor_parameters(item, label)
         if "classification" in params:
             raise TensorError(f"{label}: the classification extension is not supported")
-        if "shared_memory_region" in params:
-            raise TensorError(f"{label}: the shared memory extension is not supported")
         binary = params.get("binary_data")
         if binary is not None and not isinstance(binary, bool):
             raise TensorError(f"{label}: parameter 'binary_data' must be true or false, got {_brief(binary)}")
