@@ -66,6 +66,7 @@ class InferenceApp:
             return
         if scope["type"] != "http":
             return
+        send = self._closing_when_draining(send)
         path: str = scope["path"]
         headers = dict(scope["headers"])
         if self.token is not None and path not in _UNAUTHENTICATED and not self._authorised(headers):
@@ -82,6 +83,16 @@ class InferenceApp:
                 await _respond(send, 405, encode_error(f"method {method} not allowed on {path}"))
         except UnknownModelError as exc:
             await _respond(send, 404, encode_error(str(exc)))
+
+    def _closing_when_draining(self, send: Send) -> Send:
+        """Once draining, every answer closes its connection, so no client reuses one the agent will close."""
+
+        async def closing_send(message: dict[str, Any]) -> None:
+            if not self.ready and message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        return closing_send
 
     def _authorised(self, headers: dict[bytes, bytes]) -> bool:
         value = headers.get(b"authorization", b"")

@@ -87,6 +87,9 @@ def build_registry(agent: AgentConfig) -> ModelRegistry:
     return ModelRegistry([load_model(version, agent) for version in repository])
 
 
+DRAIN_LINGER_S = 0.5
+
+
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT: stop admitting (new requests get 503 `draining`), answer everything queued, then exit."""
 
@@ -111,6 +114,9 @@ class DrainingServer(uvicorn.Server):
             log.info("drained: every queued request was answered")
         except asyncio.TimeoutError:
             log.warning("drain timed out after %.0f s", self.drain_timeout_s)
+        # Linger a moment, still answering 503 `draining` with `Connection: close`: a client whose keep-alive
+        # connection is idle now would otherwise send into a socket being closed and never get an answer.
+        await asyncio.sleep(DRAIN_LINGER_S)
         self.should_exit = True
 
 

@@ -22,6 +22,7 @@ def test_sigterm_answers_every_accepted_request_then_exits(demo_repo: Path, tmp_
     answers: list[int] = []
     reasons: list[str] = []
     failures: list[str] = []
+    closing: list[str | None] = []  # the Connection header of each `draining` answer
     lock = threading.Lock()
 
     def client() -> None:
@@ -38,6 +39,7 @@ def test_sigterm_answers_every_accepted_request_then_exits(demo_repo: Path, tmp_
                     if r.status_code == 503:
                         reasons.append(r.json()["reason"])
                         if reasons[-1] == "draining":
+                            closing.append(r.headers.get("connection"))
                             return
 
     threads = [threading.Thread(target=client) for _ in range(8)]
@@ -55,4 +57,5 @@ def test_sigterm_answers_every_accepted_request_then_exits(demo_repo: Path, tmp_
     assert code == 0, output
     assert "drained" in output
     assert set(answers) <= {200, 503} and answers.count(200) > 8
-    assert set(reasons) <= {"draining", "timeout"}  # timeout: a queue deadline passed under this 2-core load
+    assert set(reasons) <= {"draining", "timeout"}
+    assert closing and set(closing) == {"close"}  # no client keeps a connection the agent is about to close  # timeout: a queue deadline passed under this 2-core load
