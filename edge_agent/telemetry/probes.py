@@ -1,16 +1,28 @@
-"""Device gauges, all optional and failing soft: host CPU and memory from /proc, GPU memory, utilisation and
-temperature through NVML where present (names from the OpenTelemetry hardware and system conventions)."""
+"""Device gauges, all optional and failing soft: host CPU and memory from /proc; GPU memory, utilisation and
+temperature through NVML where present, else on a Jetson through jetson-stats' `jtop` service (names from the
+OpenTelemetry hardware and system conventions)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 log = logging.getLogger("spillway.agent.telemetry")
+
+# The GPU gauges and their units, the same from NVML and from jtop.
+GPU_GAUGES = {
+    "hw.gpu.memory.usage": "By",
+    "hw.gpu.memory.limit": "By",
+    "hw.gpu.utilization": "1",
+    "hw.temperature": "Cel",
+}
 
 
 def _safe(read: Callable[[], Iterable[Observation]]) -> Callable[[CallbackOptions], Iterable[Observation]]:
@@ -84,13 +96,159 @@ class Nvml:
             yield Observation(celsius, {"hw.id": gpu_id, "hw.type": "gpu"})
 
 
+# jetson-stats (jtop) 4.x, as documented in the docstrings of `jtop.gpu`, `jtop.memory` and `jtop.temperature`
+# (jtop/jtop.py of rbonghi/jetson_stats, rendered at https://rnext.it/jetson_stats/reference/jtop.html) and
+# produced by the services behind them (jtop/core/gpu.py, memory.py, temperature.py):
+# - gpu[name] = {"type": "integrated" | "discrete", "status": {"load": percent 0..100, ...}, "freq": ...}; the
+#   load is the sysfs `load` / 10 (igpu_read_status), NVML's rates.gpu is a percent too: both become a ratio.
+# - memory["RAM"] = {"tot", "used", "free", "buffers", "cached", "shared", "lfb"}, sizes in kB straight from
+#   /proc/meminfo (MemoryService.get_status), that is KiB. A Jetson GPU has no memory of its own: it allocates
+#   from this RAM, next to the CPU, so the limit is RAM "tot" and the usage is RAM "used" (CPU and GPU
+#   together), which keeps limit - usage the room a model load really has. "shared" (NvMapMemUsed, the GPU's
+#   own part) is not used: boards without nvmap (Thor, rbonghi/jetson_stats#849) lack it and jtop fills in
+#   something else there.
+# - temperature[name] = {"temp": °C, "online": bool, "max"/"crit" where the sensor has them}; an unreadable
+#   sensor reads -256 and online False (TemperatureService.get_status).
+# This is checked against those documented shapes only, not on a board.
+JTOP_OFFLINE_CELSIUS = -256
+JTOP_OPEN_TIMEOUT_S = 5.0  # jtop's own first read waits up to 3 s (TIMEOUT_GAIN x its 1 s interval)
+
+
+def jtop_readings(
+    gpu: Mapping[str, Any], memory: Mapping[str, Any], temperature: Mapping[str, Any]
+) -> dict[str, list[Observation]]:
+    """One jtop 4.x reading (`jetson.gpu`, `jetson.memory`, `jetson.temperature`) as the GPU gauges' observations."""
+    readings: dict[str, list[Observation]] = {name: [] for name in GPU_GAUGES}
+    ram = memory.get("RAM")
+    for name, state in gpu.items():
+        attributes = {"hw.id": name, "hw.type": "gpu"}
+        load = state.get("status", {}).get("load")
+        if load is not None:
+            readings["hw.gpu.utilization"].append(Observation(load / 100.0, attributes))
+        if state.get("type") == "integrated" and ram:
+            readings["hw.gpu.memory.usage"].append(Observation(ram["used"] * 1024, attributes))
+            readings["hw.gpu.memory.limit"].append(Observation(ram["tot"] * 1024, attributes))
+    for name, sensor in temperature.items():
+        celsius = sensor.get("temp")
+        if celsius is None or not sensor.get("online", True) or celsius <= JTOP_OFFLINE_CELSIUS:
+            continue
+        attributes = {"hw.id": name, "hw.type": "temperature", "hw.sensor_location": name}
+        readings["hw.temperature"].append(Observation(celsius, attributes))
+    return readings
+
+
+class Jtop:
+    """GPU gauges on a Jetson through the jetson-stats service (`jtop`, the `jetson` extra), which it reaches
+    over /run/jtop.sock.
+
+    The client is made and started in a daemon thread, so a missing, stopped or hung service never delays the
+    agent (jtop's start() has no overall bound: its configuration handshake loops until the service answers).
+    Until it is open the gauges read nothing; if it is still not open when a reading comes after
+    `open_timeout_s`, the probe gives up for good (one log line) and closes a client that opens later. A client
+    that fails later (the service restarted or stopped) is given up the same way: no reconnection."""
+
+    def __init__(
+        self,
+        make_client: Callable[[], Any],
+        open_timeout_s: float = JTOP_OPEN_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self._deadline = clock() + open_timeout_s
+        self._open_timeout_s = open_timeout_s
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._state = "opening"  # then "open" or "gone", never back
+        self.settled = threading.Event()  # set once the opening thread has finished, either way
+        threading.Thread(target=self._open, args=(make_client,), name="spillway-jtop-open", daemon=True).start()
+
+    def _open(self, make_client: Callable[[], Any]) -> None:
+        try:
+            client = make_client()
+            client.start()
+        except Exception as error:  # JtopException (service not active, no permission, version mismatch), OSError
+            self._give_up(f"jtop unavailable ({_one_line(error)}); no Jetson GPU gauges")
+            self.settled.set()
+            return
+        with self._lock:
+            late = self._state != "opening"
+            if not late:
+                self._client, self._state = client, "open"
+        if late:
+            _close(client)
+        else:
+            log.info("Jetson GPU gauges through jtop")
+        self.settled.set()
+
+    def _give_up(self, message: str) -> None:
+        """Stop for good, logging the reason once however many readings or threads notice."""
+        with self._lock:
+            first, self._state = self._state != "gone", "gone"
+        if first:
+            log.warning(message)
+
+    def _ready(self) -> Any:
+        with self._lock:
+            state, client = self._state, self._client
+        if state == "opening" and self._clock() >= self._deadline:
+            self._give_up(f"jtop did not answer within {self._open_timeout_s:g} s; no Jetson GPU gauges")
+        if state != "open":
+            return None
+        try:
+            alive = client.ok(spin=True)  # never blocks; re-raises what stopped jtop's reading thread
+        except Exception as error:
+            alive, reason = False, _one_line(error)
+        else:
+            reason = "its reading thread stopped"
+        if not alive:
+            self._give_up(f"jtop stopped answering ({reason}); no Jetson GPU gauges from now on")
+            return None
+        return client
+
+    def read(self, metric: str) -> list[Observation]:
+        client = self._ready()
+        if client is None:
+            return []
+        return jtop_readings(client.gpu, client.memory, client.temperature)[metric]
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _close(client: Any) -> None:
+    try:
+        client.close()
+    except Exception:
+        log.debug("closing jtop failed", exc_info=True)
+
+
+def open_jtop(open_timeout_s: float = JTOP_OPEN_TIMEOUT_S, clock: Callable[[], float] = time.monotonic) -> Jtop | None:
+    """The Jetson probe where jetson-stats is installed (it opens in the background); None where it is not."""
+    try:
+        from jtop import jtop
+    except Exception as error:  # ImportError off a Jetson or without the `jetson` extra; anything from a bad install
+        log.info("no GPU gauges: neither NVML nor jetson-stats (jtop) is available (%s)", _one_line(error))
+        return None
+    return Jtop(jtop, open_timeout_s, clock)
+
+
 def register_probes(meter: Meter) -> None:
     meter.create_observable_gauge("system.memory.usage", callbacks=[_safe(host_memory)], unit="By")
     meter.create_observable_gauge("system.cpu.utilization", callbacks=[_safe(CpuUtilisation())], unit="1")
-    gpu = Nvml()
-    if not gpu.handles:
-        return
-    meter.create_observable_gauge("hw.gpu.memory.usage", callbacks=[_safe(lambda: gpu.memory("used"))], unit="By")
-    meter.create_observable_gauge("hw.gpu.memory.limit", callbacks=[_safe(lambda: gpu.memory("total"))], unit="By")
-    meter.create_observable_gauge("hw.gpu.utilization", callbacks=[_safe(gpu.utilisation)], unit="1")
-    meter.create_observable_gauge("hw.temperature", callbacks=[_safe(gpu.temperature)], unit="Cel")
+    readers: dict[str, Callable[[], Iterable[Observation]]]
+    nvml = Nvml()
+    if nvml.handles:
+        readers = {
+            "hw.gpu.memory.usage": lambda: nvml.memory("used"),
+            "hw.gpu.memory.limit": lambda: nvml.memory("total"),
+            "hw.gpu.utilization": nvml.utilisation,
+            "hw.temperature": nvml.temperature,
+        }
+    else:  # no NVML: a Jetson, or no NVIDIA GPU at all
+        jetson = open_jtop()
+        if jetson is None:
+            return
+        readers = {name: partial(jetson.read, name) for name in GPU_GAUGES}
+    for name, unit in GPU_GAUGES.items():
+        meter.create_observable_gauge(name, callbacks=[_safe(readers[name])], unit=unit)
