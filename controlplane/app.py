@@ -15,7 +15,7 @@ from sqlalchemy import text
 
 from controlplane import __version__
 from controlplane.api import access as access_routes
-from controlplane.api import events, ingest, status
+from controlplane.api import agent_metrics, events, ingest, monitoring, status
 from controlplane.api.authn import Authenticate
 from controlplane.api.deps import Viewer, require_admin, require_editor, require_viewer
 from controlplane.api.errors import install_error_handlers
@@ -26,13 +26,16 @@ from controlplane.db.migrate import head_revision, migrate_to
 from controlplane.db.models import Agent, Backend, Rule, Slo, utcnow
 from controlplane.db.repository import ResourceKind
 from controlplane.db.session import make_engine, make_sessionmaker
+from controlplane.errors import ValidationFailed
 from controlplane.ingest.receiver import Ingestor
+from controlplane.monitoring import ControlPlaneMetrics, HttpMetrics
 from controlplane.schemas.access import AgentCreate, AgentPatch, AgentRead
 from controlplane.schemas.backends import BackendCreate, BackendPatch, BackendRead
 from controlplane.schemas.common import ERROR_RESPONSES
 from controlplane.schemas.rules import RuleCreate, RulePatch, RuleRead
 from controlplane.schemas.slos import SloCreate, SloPatch, SloRead
 from controlplane.settings import Settings
+from controlplane.slo.windows import SloWindows
 
 log = logging.getLogger("spillway.controlplane")
 _MIGRATION_LOCK = 0x5370_696C  # "Spil": one replica migrates at a time on PostgreSQL
@@ -52,9 +55,26 @@ def agent_reader(stale_after_s: float) -> Any:
     return read
 
 
+def threshold_on_boundary(boundaries_ms: list[float]) -> Any:
+    """A latency SLO's threshold must be a histogram bucket boundary, else its SLI could not be exact."""
+
+    def check(values: dict[str, Any]) -> None:
+        threshold = values.get("threshold_ms")
+        if threshold is not None and not any(abs(threshold - b) <= 1e-9 * b for b in boundaries_ms):
+            listed = ", ".join(f"{b:g}" for b in sorted(boundaries_ms))
+            raise ValidationFailed.field(
+                "body.threshold_ms",
+                f"{threshold:g} is not a latency bucket boundary; use one of {listed} (or add it to "
+                "SPILLWAY_LATENCY_BUCKETS_MS and the agents' latency_buckets_ms)",
+            )
+
+    return check
+
+
 def _api_router(settings: Settings) -> APIRouter:
     api = APIRouter(responses=ERROR_RESPONSES)
-    slo_kind = ResourceKind("slo", Slo, SloCreate, SloRead.model_validate)
+    slo_kind = ResourceKind("slo", Slo, SloCreate, SloRead.model_validate,
+                            check=threshold_on_boundary(settings.latency_buckets_ms))  # fmt: skip
     kinds: list[tuple[ResourceKind[Any], str, type[BaseModel], type[BaseModel], Any, bool]] = [
         (slo_kind, "slos", SloRead, SloPatch, require_editor, True),
         (
@@ -93,6 +113,7 @@ def _api_router(settings: Settings) -> APIRouter:
     api.include_router(access_routes.keys_router)
     api.include_router(events.router)
     api.include_router(status.router)
+    api.include_router(agent_metrics.router)
     return api
 
 
@@ -143,6 +164,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.engine = engine
         app.state.sessionmaker = make_sessionmaker(engine)
         app.state.schema_head = head_revision()
+        app.state.slo_windows = SloWindows()
         app.state.ingestor = Ingestor(app.state.sessionmaker, max_series_per_agent=settings.max_series_per_agent)
         app.state.ingest_slots = asyncio.Semaphore(settings.ingest_max_concurrent)
         retention = asyncio.create_task(_retention_loop(app, settings))
@@ -162,13 +184,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     app.state.settings = settings
+    app.state.monitoring = ControlPlaneMetrics(lambda: getattr(app.state, "sessionmaker", None), settings.stale_after_s)
     install_error_handlers(app)
-    # Outermost first: refuse oversized bodies, then authenticate, then route.
+    # Outermost first: count every request, refuse oversized bodies, then authenticate, then route.
     app.add_middleware(Authenticate)
     app.add_middleware(
         BodyLimit, max_bytes=settings.max_body_bytes, per_path={"/v1/metrics": settings.ingest_max_body_bytes}
     )
+    app.add_middleware(HttpMetrics, metrics=app.state.monitoring)
     app.include_router(status.probes)
+    app.include_router(monitoring.router, responses=ERROR_RESPONSES)
     app.include_router(_api_router(settings))
     app.include_router(ingest.router, responses=ERROR_RESPONSES)
 

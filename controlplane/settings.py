@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from edge_agent.telemetry.metrics import DEFAULT_LATENCY_BUCKETS_MS
+
 
 class Settings(BaseSettings):
     """Every knob of the control plane; nonsense is refused at start with the variable's name."""
@@ -32,6 +34,13 @@ class Settings(BaseSettings):
         default=8, gt=0, description="OTLP exports processed at once; beyond it 503 with Retry-After (overload)."
     )
     retention_days: float = Field(default=35.0, gt=0, description="Minute rollups older than this are deleted.")
+    evaluation_interval_s: float = Field(
+        default=5.0, ge=0, description="SLO status is recomputed at most this often (seconds); 0: on every request."
+    )
+    latency_buckets_ms: list[float] = Field(
+        default_factory=lambda: list(DEFAULT_LATENCY_BUCKETS_MS), min_length=1,
+        description="The agents' latency histogram boundaries (JSON list); a latency SLO's threshold must be one.",
+    )  # fmt: skip
     stale_after_s: float = Field(default=15.0, gt=0, description="An agent not seen for this long is `stale`.")
     tls_certfile: str | None = Field(default=None, description="PEM certificate: set with the key file to serve HTTPS.")
     tls_keyfile: str | None = Field(default=None, description="PEM private key for `tls_certfile`.")

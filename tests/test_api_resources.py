@@ -99,9 +99,9 @@ def test_bad_cursor_is_a_clear_422(sqlite_api: Api) -> None:
 
 
 def test_patch_keeps_unset_fields_and_validates_the_result(sqlite_api: Api) -> None:
-    slo = _create(sqlite_api, "slos", threshold_ms=80, objective=99.0, window="7d")
+    slo = _create(sqlite_api, "slos", threshold_ms=100, objective=99.0, window="7d")
     patched = sqlite_api.call("PATCH", f"/api/v1/slos/{slo['id']}", json={"objective": 99.9}).json()
-    assert (patched["threshold_ms"], patched["objective"], patched["window"]) == (80, 99.9, "7d")
+    assert (patched["threshold_ms"], patched["objective"], patched["window"]) == (100, 99.9, "7d")
     # Switching to availability while a latency threshold is still set makes the whole SLO invalid.
     broken = sqlite_api.call("PATCH", f"/api/v1/slos/{slo['id']}", json={"sli_kind": "availability"})
     assert broken.status_code == 422
@@ -149,9 +149,34 @@ def test_rule_and_slo_round_trip_durations_and_selectors(sqlite_api: Api) -> Non
     body = rule.json()
     assert body["selector"]["labels"] == {"site": "berlin", "tier": "edge"}
     assert body["hysteresis"] == {"for": "90s", "recover_after": "10m"}
-    slo = sqlite_api.call("POST", "/api/v1/slos", json=make_slo(window=86400 * 28)).json()
-    assert slo["window"] == "28d"
-    assert slo["alert_windows"][0] == {"long": "1h", "short": "5m", "burn_rate": 14.4, "severity": "page"}
+    slo = sqlite_api.call("POST", "/api/v1/slos", json=make_slo(window=86400 * 30)).json()
+    assert slo["window"] == "30d"  # the SRE workbook's pairs as they are for a 30-day window
+    assert [(a["long"], a["short"], a["burn_rate"], a["severity"]) for a in slo["alert_windows"]] == [
+        ("1h", "5m", 14.4, "page"), ("6h", "30m", 6, "page"), ("3d", "6h", 1, "ticket")]  # fmt: skip
+    weekly = sqlite_api.call("POST", "/api/v1/slos", json=make_slo(name="weekly", window="7d")).json()
+    assert [(a["long"], a["short"], a["burn_rate"]) for a in weekly["alert_windows"]] == [
+        ("14m", "1m", 14.4), ("84m", "7m", 6), ("1008m", "84m", 1)]  # scaled by 7/30, rates kept  # fmt: skip
+    chosen = [{"long": "2h", "short": "10m", "burn_rate": 3, "severity": "ticket"}]
+    custom = sqlite_api.call("POST", "/api/v1/slos", json=make_slo(name="custom", window="7d", alert_windows=chosen))
+    assert custom.json()["alert_windows"] == chosen
+
+
+def test_a_latency_threshold_must_be_a_bucket_boundary(sqlite_api: Api) -> None:
+    refused = sqlite_api.call("POST", "/api/v1/slos", json=make_slo(threshold_ms=75))
+    assert refused.status_code == 422
+    body = refused.json()
+    assert body["details"][0]["field"] == "body.threshold_ms"
+    assert "75 is not a latency bucket boundary" in body["message"] and "50, 100" in body["message"]
+    made = sqlite_api.call("POST", "/api/v1/slos", json=make_slo(threshold_ms=100))
+    assert made.status_code == 201
+    patched = sqlite_api.call("PATCH", f"/api/v1/slos/{made.json()['id']}", json={"threshold_ms": 60})
+    assert patched.status_code == 422 and "60 is not a latency bucket boundary" in patched.json()["message"]
+
+
+def test_the_bucket_boundaries_are_a_setting(sqlite_url: str) -> None:
+    for api in open_api(sqlite_url, latency_buckets_ms=[75.0, 250.0]):
+        assert api.call("POST", "/api/v1/slos", json=make_slo(threshold_ms=75)).status_code == 201
+        assert api.call("POST", "/api/v1/slos", json=make_slo(name="b", threshold_ms=50)).status_code == 422
 
 
 def test_reason_header_and_actor_reach_the_audit_event(sqlite_api: Api) -> None:

@@ -20,6 +20,7 @@ from tests.utils.builders import BUILDERS, make_agent
 PROBES = {"/healthz", "/readyz"}
 RANK = {"viewer": 0, "editor": 1, "admin": 2, "agent": 99}  # no operator role reaches agent endpoints
 AGENT_ONLY = {"/v1/metrics"}
+READ_ONLY = {"/metrics", "/api/v1/agents/{item_id}/metrics"}  # Prometheus scrape, an agent's telemetry
 
 
 def walk_routes(app: FastAPI) -> Iterator[tuple[str, str]]:
@@ -45,6 +46,9 @@ def required_role(method: str, path: str) -> str:
     """The role matrix: who may do what. A route this does not know fails the tests below."""
     if path in AGENT_ONLY:
         return "agent"
+    if path in READ_ONLY:
+        assert method == "GET", (method, path)
+        return "viewer"
     if path.startswith("/api/v1/keys"):
         return "admin"
     if method == "GET" and path.startswith("/api/v1/"):

@@ -107,3 +107,14 @@ def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:
         counted = sum(int(n) for n in re.findall(r"(\d+)(?:,|\s*$)", outcomes.strip()))
         assert counted == int(sent), outcomes
         assert "transport error" not in outcomes
+    # The control plane's view of the same burst, from the agent's OpenTelemetry export: every request counted.
+    assert "it plays jetson-berlin-01" in out.stdout
+    assert "counted by the control plane: 1000 requests" in out.stdout, out.stdout
+    seen = re.findall(r"^\| mlp \| ([123]) \| (\d+) \|", out.stdout, re.MULTILINE)
+    assert [p for p, _ in seen] == ["1", "2", "3"] and sum(int(n) for _, n in seen) == 1000
+    assert [int(n) for _, n in seen] == [int(r[1]) for r in rows]  # per priority, as many as the clients sent
+    for slo in ("mlp-latency", "mlp-availability"):
+        line = re.search(rf"^  {slo}: SLI ([\d.]+) % \(objective [\d.]+ % over 28d\), budget left (-?\d+) %$",
+                         out.stdout, re.MULTILINE)  # fmt: skip
+        assert line, out.stdout
+    assert len(re.findall(r"burn rate over 56m: [\d.]+x, over 5m: [\d.]+x \(fires at 14.4x, page\)", out.stdout)) == 2

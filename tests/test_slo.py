@@ -62,5 +62,16 @@ def test_slo_status_from_real_agent_telemetry(plane: Plane) -> None:
     assert (up["good"], up["total"]) == (10, 20)
     assert up["alerts"][0]["long_burn_rate"] == pytest.approx(50.0) and up["alerts"][0]["firing"] is True
     assert up["window"] == "1d" and up["alerts"][0]["long"] == "1h"
+    fleet = httpx.get(f"{plane.url}/api/v1/status", params={"window": "5m"}, headers=admin).json()
+    live = fleet["live"]
+    assert (live["requests"], live["outcomes"]) == (20, {"local": 10, "rejected": 10})
+    assert live["p50_ms"] == pytest.approx(10 * 5 / 6)  # rank 5 of 10, 6 in the (0, 10 ms] bucket
+    assert live["p99_ms"] == 100  # rank 9.9 is in the +Inf bucket: the highest finite bound
+    assert [(t["priority"], t["requests"]) for t in live["traffic"]] == [(1, 10), (3, 10)]
+    states = {s["name"]: s for s in fleet["slo_states"]}
+    assert states["fast"]["firing"] == ["1h/5m"] and states["up"]["sli"] == pytest.approx(0.5)
+    assert fleet["agents"]["healthy"] == 1
+    per_agent = httpx.get(f"{plane.url}/api/v1/slos/{latency.json()['id']}/agents", headers=admin).json()
+    assert [(r["agent"], r["good"], r["total"]) for r in per_agent] == [(plane.agent_id, 6, 10)]
     missing = httpx.get(f"{plane.url}/api/v1/slos/nope/status", headers=admin)
     assert missing.status_code == 404

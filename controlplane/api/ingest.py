@@ -46,6 +46,7 @@ async def _export(request: Request, agent_id: str, settings: Any) -> Response:
         return ingestor.ingest(agent_id, message)
 
     result = await to_thread.run_sync(work)
+    request.app.state.monitoring.ingested(result.accepted, result.rejected)
     reply = ExportMetricsServiceResponse()
     if result.rejected:
         reply.partial_success.CopyFrom(

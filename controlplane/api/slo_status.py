@@ -1,13 +1,19 @@
-"""`GET /api/v1/slos/{id}/status`: the SLO's SLI, error budget and burn rates now, from agent telemetry."""
+"""An SLO's SLI, error budget and burn rates now, from agent telemetry: over all the agents it selects
+(`GET /api/v1/slos/{id}/status`) and per agent (`GET /api/v1/slos/{id}/agents`, worst first)."""
 
-from typing import Any
+from datetime import datetime
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
+from sqlalchemy.orm import Session
 
-from controlplane.api.deps import SessionDep, Viewer
+from controlplane.api.deps import SessionDep, SettingsDep, Viewer
 from controlplane.db import repository as repo
+from controlplane.errors import NotFound
 from controlplane.schemas.common import Duration
+from controlplane.settings import Settings
+from controlplane.slo.windows import Evaluation, SloWindows
 
 
 class AlertStatus(BaseModel):
@@ -32,15 +38,42 @@ class SloStatus(BaseModel):
     error_budget: float = Field(description="1 - objective")
     budget_remaining: float | None = Field(description="share of the window's budget left; negative once overspent")
     alerts: list[AlertStatus]
+    evaluated_at: datetime = Field(description="when these figures were computed (at most the evaluation interval old)")
+
+
+class AgentSloStatus(SloStatus):
+    agent: str
+
+
+def evaluate(request: Request, session: Session, settings: Settings, slo_id: str) -> Evaluation:
+    windows: SloWindows = request.app.state.slo_windows
+    for evaluation in windows.evaluate(session, max_age_s=settings.evaluation_interval_s):
+        if evaluation.spec.id == slo_id:
+            return evaluation
+    raise NotFound(f"SLO '{slo_id}' not found")
 
 
 def slo_status_router(kind: repo.ResourceKind[Any]) -> APIRouter:
     router = APIRouter(prefix="/api/v1/slos", tags=["slos"])
 
     @router.get("/{item_id}/status", response_model=SloStatus, summary="SLI, error budget and burn rates now")
-    def status(item_id: str, session: SessionDep, _: Viewer) -> Any:
-        from controlplane.slo.status import slo_status
+    def status(item_id: str, request: Request, session: SessionDep, settings: SettingsDep, _: Viewer) -> Any:
+        repo.get_row(session, kind, item_id)  # 404 names the SLO
+        return evaluate(request, session, settings, item_id).status()
 
-        return slo_status(session, repo.get_row(session, kind, item_id))
+    @router.get("/{item_id}/agents", response_model=list[AgentSloStatus],
+                summary="The SLO per agent it selects, least budget left first")  # fmt: skip
+    def per_agent(
+        item_id: str,
+        request: Request,
+        session: SessionDep,
+        settings: SettingsDep,
+        _: Viewer,
+        limit: Annotated[int, Query(ge=1, le=10_000, description="at most this many agents")] = 100,
+    ) -> Any:
+        repo.get_row(session, kind, item_id)
+        rows = evaluate(request, session, settings, item_id).per_agent()
+        rows.sort(key=lambda r: (r["budget_remaining"] is None, r["budget_remaining"] or 0.0, r["agent"]))
+        return rows[:limit]
 
     return router

@@ -1,18 +1,24 @@
 """Fleet summary and the probes. `/healthz` and `/readyz` are the only unauthenticated routes and reveal nothing."""
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
-from sqlalchemy import text
+from pydantic import BaseModel, Field
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
 
 from controlplane import __version__
+from controlplane.api.agent_metrics import Window
 from controlplane.api.deps import SessionDep, SettingsDep, Viewer
-from controlplane.db.models import Agent, Backend, Rule, Slo, utcnow
+from controlplane.db.models import Agent, Backend, MetricRollup, Rule, Slo, utcnow
 from controlplane.db.repository import count
+from controlplane.errors import ValidationFailed
+from controlplane.query import REQUEST_DURATION, REQUESTS, SERVED, Histogram, merge_histograms, summarise
+from controlplane.schemas.common import Duration, format_duration
+from controlplane.slo.windows import SloWindows
 
 log = logging.getLogger("spillway.controlplane")
 probes = APIRouter(tags=["probes"])
@@ -45,6 +51,39 @@ class AgentCounts(BaseModel):
     never_seen: int
 
 
+class FleetTraffic(BaseModel):
+    model: str | None
+    priority: int | None
+    requests: float
+    rps: float
+    outcomes: dict[str, float]
+    p50_ms: float | None
+    p99_ms: float | None
+
+
+class FleetLive(BaseModel):
+    """What the fleet's agents reported over the window (whole minute rollups, so `since` is a minute start)."""
+
+    window: Duration
+    since: datetime
+    until: datetime
+    requests: float
+    rps: float
+    outcomes: dict[str, float] = Field(description="requests per outcome (local, overflow, rejected, error, ...)")
+    p50_ms: float | None = Field(description="latency of requests served on the devices, all agents together")
+    p99_ms: float | None
+    traffic: list[FleetTraffic] = Field(description="per model and priority")
+
+
+class SloState(BaseModel):
+    slo: str
+    name: str
+    objective: float
+    sli: float | None
+    budget_remaining: float | None
+    firing: list[str] = Field(description="alert pairs firing now, as 'long/short'")
+
+
 class FleetStatus(BaseModel):
     version: str
     agents: AgentCounts
@@ -52,11 +91,57 @@ class FleetStatus(BaseModel):
     rules: int
     rules_enabled: int
     backends: int
+    live: FleetLive
+    slo_states: list[SloState] = Field(description="every SLO now, least budget left first")
 
 
-@router.get("/status", response_model=FleetStatus, summary="Fleet summary")
-def fleet_status(session: SessionDep, settings: SettingsDep, _: Viewer) -> Any:
-    fresh_since = utcnow() - timedelta(seconds=settings.stale_after_s)
+MAX_LIVE_WINDOW_S = 86400
+
+
+def live_traffic(session: Session, window_s: int, now: datetime) -> dict[str, Any]:
+    """Request rates, outcomes and latency of the whole fleet over the window, from the minute rollups."""
+    since = (now - timedelta(seconds=window_s)).replace(second=0, microsecond=0)
+    columns = (MetricRollup.metric, MetricRollup.kind, MetricRollup.attributes, MetricRollup.minute,
+               MetricRollup.count, MetricRollup.total, MetricRollup.buckets, MetricRollup.bounds,
+               MetricRollup.last, MetricRollup.min, MetricRollup.max)  # fmt: skip
+    query = select(*columns).where(MetricRollup.metric.in_((REQUESTS, REQUEST_DURATION)), MetricRollup.minute >= since)
+    rows = session.execute(query.execution_options(yield_per=5000)).all()
+    summary = summarise(rows, since=since, until=now)
+    served = (Histogram.of(r.bounds, r.buckets, r.count, r.total) for r in rows
+              if r.metric == REQUEST_DURATION and (r.attributes or {}).get("outcome") == SERVED)  # fmt: skip
+    merged = merge_histograms(h for h in served if h is not None)
+    p50, p99 = (merged.quantile(0.5), merged.quantile(0.99)) if merged else (None, None)
+    traffic = [{"model": t["model"], "priority": t["priority"], "requests": t["requests"], "rps": t["rps"],
+                "outcomes": t["outcomes"], "p50_ms": t["latency_ms"]["p50"], "p99_ms": t["latency_ms"]["p99"]}
+               for t in summary["traffic"]]  # fmt: skip
+    return {
+        "window": window_s, "since": since, "until": now, "requests": summary["requests"], "rps": summary["rps"],
+        "outcomes": summary["outcomes"], "p50_ms": None if p50 is None else p50 * 1000,
+        "p99_ms": None if p99 is None else p99 * 1000, "traffic": traffic,
+    }  # fmt: skip
+
+
+def slo_states(request: Request, session: Session, max_age_s: float) -> list[dict[str, Any]]:
+    windows: SloWindows = request.app.state.slo_windows
+    states = []
+    for evaluation in windows.evaluate(session, max_age_s=max_age_s):
+        status = evaluation.status()
+        firing = [
+            f"{format_duration(a['long'])}/{format_duration(a['short'])}" for a in status["alerts"] if a["firing"]
+        ]
+        keep = ("slo", "name", "objective", "sli", "budget_remaining")
+        states.append({**{k: status[k] for k in keep}, "firing": firing})
+    states.sort(key=lambda s: (s["budget_remaining"] is None, s["budget_remaining"] or 0.0, s["name"]))
+    return states
+
+
+@router.get("/status", response_model=FleetStatus, summary="Fleet summary: agents, live traffic, SLOs")
+def fleet_status(request: Request, session: SessionDep, settings: SettingsDep, _: Viewer, window: Window = 300) -> Any:
+    if window > MAX_LIVE_WINDOW_S:
+        raise ValidationFailed.field("query.window", "must be at most 1 day for the fleet's live figures")
+    window_s = int(window)
+    now = utcnow()
+    fresh_since = now - timedelta(seconds=settings.stale_after_s)
     total = count(session, Agent)
     never = count(session, Agent, Agent.last_seen.is_(None))
     healthy = count(session, Agent, Agent.last_seen >= fresh_since)
@@ -67,4 +152,6 @@ def fleet_status(session: SessionDep, settings: SettingsDep, _: Viewer) -> Any:
         rules=count(session, Rule),
         rules_enabled=count(session, Rule, Rule.enabled.is_(True)),
         backends=count(session, Backend),
+        live=FleetLive.model_validate(live_traffic(session, window_s, now)),
+        slo_states=[SloState.model_validate(s) for s in slo_states(request, session, settings.evaluation_interval_s)],
     )

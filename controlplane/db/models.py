@@ -165,6 +165,7 @@ class MetricRollup(Base):
     __table_args__ = (
         UniqueConstraint("agent_id", "series", "minute", name="uq_metric_rollups_series_minute"),
         Index("ix_metric_rollups_agent_metric_minute", "agent_id", "metric", "minute"),
+        Index("ix_metric_rollups_metric_minute", "metric", "minute"),
     )
 
     id: Mapped[int] = mapped_column(EventId, primary_key=True, autoincrement=True)

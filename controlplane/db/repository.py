@@ -43,6 +43,7 @@ class ResourceKind(Generic[Row]):
     create: type[BaseModel]
     read: Callable[[Row], BaseModel]
     write_only: frozenset[str] = field(default_factory=frozenset)
+    check: Callable[[dict[str, Any]], None] | None = None  # rules beyond the schema that need the settings
 
     @property
     def label(self) -> str:
@@ -52,6 +53,8 @@ class ResourceKind(Generic[Row]):
     def values(self, body: BaseModel) -> dict[str, Any]:
         """Column values from a validated body; write-only fields the body left out are kept as stored."""
         data = body.model_dump()
+        if self.check is not None:
+            self.check(data)
         for name in self.write_only:
             if name not in body.model_fields_set:
                 data.pop(name, None)

@@ -24,13 +24,29 @@ class AlertWindow(Strict):
         return self
 
 
-def default_alert_windows() -> list[AlertWindow]:
-    """The Google SRE workbook's pairs for a 30-day window (2 %, 5 %, 10 % of budget)."""
-    return [
-        AlertWindow(long=3600, short=300, burn_rate=14.4, severity="page"),
-        AlertWindow(long=6 * 3600, short=1800, burn_rate=6, severity="page"),
-        AlertWindow(long=3 * 86400, short=6 * 3600, burn_rate=1, severity="ticket"),
-    ]
+WORKBOOK_WINDOW = 30 * 86400
+
+
+def default_alert_windows(window: int = WORKBOOK_WINDOW) -> list[AlertWindow]:
+    """The Google SRE workbook's pairs for a 30-day window (2 %, 5 %, 10 % of the budget), scaled to `window`:
+    the windows shrink or grow with it (whole minutes, at least one), the burn rates stay, so each pair still
+    fires on the same share of the budget."""
+
+    def scaled(seconds: int) -> int:
+        return max(60, round(seconds * window / WORKBOOK_WINDOW / 60) * 60)
+
+    if window < 120:
+        return []  # too short a window for a pair of windows inside it
+    pairs: list[tuple[int, int, float, Literal["page", "ticket"]]] = [
+        (3600, 300, 14.4, "page"), (6 * 3600, 1800, 6.0, "page"), (3 * 86400, 6 * 3600, 1.0, "ticket"),
+    ]  # fmt: skip
+    windows = []
+    for long, short, rate, severity in pairs:
+        long_s, short_s = scaled(long), scaled(short)
+        if short_s >= long_s:  # a very short SLO window: keep the pair meaningful
+            long_s = short_s + 60
+        windows.append(AlertWindow(long=long_s, short=short_s, burn_rate=rate, severity=severity))
+    return windows
 
 
 class SloCreate(Strict):
@@ -43,10 +59,15 @@ class SloCreate(Strict):
     )
     objective: float = Field(gt=0, lt=100, description="percent of good requests, e.g. 99.5")
     window: PositiveDuration = Field(default=28 * 86400, description="rolling window, e.g. '28d'")
-    alert_windows: list[AlertWindow] = Field(default_factory=default_alert_windows, max_length=8)
+    alert_windows: list[AlertWindow] = Field(
+        default_factory=default_alert_windows, max_length=8,
+        description="burn-rate alert pairs; when left out, the SRE workbook's pairs scaled to the window",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _fits_kind(self) -> SloCreate:
+        if "alert_windows" not in self.model_fields_set:
+            self.alert_windows = default_alert_windows(self.window)
         if self.sli_kind == "latency" and self.threshold_ms is None:
             raise ValueError("threshold_ms is required for a latency SLO")
         if self.sli_kind == "availability" and self.threshold_ms is not None:

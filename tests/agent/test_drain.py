@@ -57,5 +57,5 @@ def test_sigterm_answers_every_accepted_request_then_exits(demo_repo: Path, tmp_
     assert code == 0, output
     assert "drained" in output
     assert set(answers) <= {200, 503} and answers.count(200) > 8
-    assert set(reasons) <= {"draining", "timeout"}
-    assert closing and set(closing) == {"close"}  # no client keeps a connection the agent is about to close  # timeout: a queue deadline passed under this 2-core load
+    assert set(reasons) <= {"draining", "timeout"}  # timeout: a queue deadline passed under this 2-core load
+    assert closing and set(closing) == {"close"}  # no client keeps a connection the agent is about to close

@@ -1,0 +1,160 @@
+"""SLO evaluation cycle time: N agents x M SLOs over minute rollups, on SQLite and PostgreSQL.
+
+The database is filled directly with the rollups that the receiver writes (the agents' request counter and
+request-duration histogram per model, priority and outcome), `--history-min` minutes of them, then the
+evaluator (`controlplane.slo.windows.SloWindows`) is timed: the first evaluation reads every SLO's window whole
+(a cold start), each later one re-reads the last minutes and sums every window. Between timed cycles the
+current minute's rollups of every agent grow, as exports would make them (not timed). Used by bench/ingest.py.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import insert, text, update
+
+from controlplane.db import make_engine, make_sessionmaker, migrate_to
+from controlplane.db.models import Agent, MetricRollup, Slo
+
+BOUNDS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
+OUTCOMES = ("local", "rejected", "overflow")
+SITES = ("berlin", "paris", "lab", "madrid")
+
+
+def _slos(count: int) -> list[dict[str, Any]]:
+    """A mix: latency and availability, fleet-wide, per site, per model, 28-day windows, workbook alerts."""
+    from controlplane.schemas.slos import SloCreate
+
+    specs = []
+    for i in range(count):
+        site = {} if i % 2 == 0 else {"site": SITES[i % len(SITES)]}
+        kind = "latency" if i % 2 == 0 else "availability"
+        body = SloCreate.model_validate({
+            "name": f"slo-{i}", "selector": {"labels": site, "model": "mlp" if i % 3 else None}, "sli_kind": kind,
+            "threshold_ms": 50 if kind == "latency" else None, "objective": 99.0, "window": "28d",
+        })  # fmt: skip
+        specs.append({"id": f"s{i:04d}", "version": 1, **body.model_dump()})
+    return specs
+
+
+def _rollups(agents: list[str], minute: datetime, rng: random.Random) -> list[dict[str, Any]]:
+    rows = []
+    for agent in agents:
+        for model in ("mlp", "lite"):
+            for priority in (1, 2, 3):
+                for outcome in OUTCOMES:
+                    n = rng.randint(50, 400)
+                    attributes = {"model": model, "model.version": "1", "priority": priority, "outcome": outcome}
+                    key = f"{agent}{model}{priority}{outcome}"
+                    rows.append({"agent_id": agent, "metric": "spillway.requests", "series": f"r{key}",
+                                 "attributes": attributes, "minute": minute, "kind": "sum", "count": 0,
+                                 "total": float(n), "buckets": [], "bounds": []})  # fmt: skip
+                    if outcome == "local":
+                        buckets = [0] * (len(BOUNDS) + 1)
+                        for _ in range(8):
+                            buckets[rng.randint(2, 7)] += n // 8
+                        rows.append({"agent_id": agent, "metric": "spillway.request.duration", "series": f"d{key}",
+                                     "attributes": attributes, "minute": minute, "kind": "histogram",
+                                     "count": sum(buckets), "total": 0.01 * n, "buckets": buckets,
+                                     "bounds": BOUNDS})  # fmt: skip
+    return rows
+
+
+def run(url: str, *, agents: int, slos: int, history_min: int, cycles: int, seed: int = 1) -> dict[str, Any]:
+    """Fill `url` (an empty database) and time the evaluator; returns the figures."""
+    from controlplane.slo.windows import SloWindows
+
+    rng = random.Random(seed)
+    migrate_to(url)
+    engine = make_engine(url)
+    factory = make_sessionmaker(engine)
+    now = datetime.now(timezone.utc).replace(second=30, microsecond=0)
+    ids = [f"a{i:05d}" for i in range(agents)]
+    with factory() as session, session.begin():
+        session.execute(insert(Agent), [
+            {"id": a, "name": a, "version": 1, "labels": {"site": SITES[i % len(SITES)], "tier": "edge"},
+             "device_class": "cpu", "token_hash": "x"} for i, a in enumerate(ids)])  # fmt: skip
+        session.execute(insert(Slo), _slos(slos))
+    rows = 0
+    fill_started = time.perf_counter()
+    for back in range(history_min, -1, -1):
+        batch = _rollups(ids, now.replace(second=0) - timedelta(minutes=back), rng)
+        with factory() as session, session.begin():
+            session.execute(insert(MetricRollup), batch)
+        rows += len(batch)
+    fill_s = time.perf_counter() - fill_started
+    windows = SloWindows()
+    with factory() as session:
+        started = time.perf_counter()
+        evaluations = windows.evaluate(session, now)
+        cold_s = time.perf_counter() - started
+    pairs = sum(len(e.agents) for e in evaluations)
+    times = []
+    for _ in range(cycles):
+        now += timedelta(seconds=5)  # one export interval later: every agent's current minute grew
+        with factory() as session, session.begin():
+            session.execute(
+                update(MetricRollup)
+                .where(MetricRollup.minute == now.replace(second=0), MetricRollup.metric == "spillway.requests")
+                .values(total=MetricRollup.total + 1)
+            )
+        with factory() as session:
+            started = time.perf_counter()
+            windows.evaluate(session, now)
+            times.append(time.perf_counter() - started)
+    if engine.dialect.name == "postgresql":
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE IF EXISTS metric_rollups, events, rules, backends, slos, api_keys, agents, "
+                              "alembic_version CASCADE"))  # fmt: skip
+    engine.dispose()
+    times.sort()
+    return {
+        "agents": agents, "slos": slos, "pairs": pairs, "rows": rows, "fill_s": fill_s, "cold_s": cold_s,
+        "median_s": statistics.median(times), "p99_s": times[min(len(times) - 1, int(len(times) * 0.99))],
+        "max_s": times[-1], "cycles": cycles,
+    }  # fmt: skip
+
+
+def table(results: list[tuple[str, dict[str, Any]]]) -> str:
+    lines = [
+        "| database | agents | SLOs | (SLO, agent) pairs | rollup rows | cold first evaluation | cycle median | "
+        "cycle p99 | cycles |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in results:
+        lines.append(
+            f"| {name} | {r['agents']} | {r['slos']} | {r['pairs']} | {r['rows']:,} | {r['cold_s']:.2f} s | "
+            f"{r['median_s'] * 1000:.0f} ms | {r['p99_s'] * 1000:.0f} ms | {r['cycles']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=1000)
+    parser.add_argument("--slos", type=int, default=5)
+    parser.add_argument("--history-min", type=int, default=30)
+    parser.add_argument("--cycles", type=int, default=20)
+    parser.add_argument("--postgres-url", default=None)
+    args = parser.parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"sqlite:///{Path(tmp) / 'slo.db'}"
+        results.append(("SQLite", run(url, agents=args.agents, slos=args.slos, history_min=args.history_min,
+                                      cycles=args.cycles)))  # fmt: skip
+    if args.postgres_url:
+        results.append(("PostgreSQL", run(args.postgres_url, agents=args.agents, slos=args.slos,
+                                          history_min=args.history_min, cycles=args.cycles)))  # fmt: skip
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

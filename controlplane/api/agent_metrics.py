@@ -1,0 +1,99 @@
+"""`GET /api/v1/agents/{id}/metrics`: one agent's recent telemetry, summarised from its minute rollups."""
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, BeforeValidator, Field, WithJsonSchema
+
+from controlplane import query
+from controlplane.api.deps import SessionDep, SettingsDep, Viewer
+from controlplane.schemas.common import Duration
+
+router = APIRouter(prefix="/api/v1/agents", tags=["agents"])
+
+
+def _seconds_in_query(value: Any) -> Any:
+    """A query string carries numbers as text: '300' means 300 seconds, as a number would in JSON."""
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+
+Window = Annotated[
+    Duration,
+    BeforeValidator(_seconds_in_query),
+    Field(ge=60),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 60, "description": "seconds"},
+                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*(ms|s|m|h|d|w)\s*$", "examples": ["5m", "1h"]},
+            ]
+        },
+        mode="validation",
+    ),
+    Query(description="how far back: at least 1m, at most the rollup retention (e.g. 5m, 1h, 7d)"),
+]
+
+
+class Latency(BaseModel):
+    count: float = Field(description="requests served locally (outcome `local`) that the percentiles describe")
+    mean: float | None
+    p50: float | None
+    p95: float | None
+    p99: float | None
+
+
+class QueueDepth(BaseModel):
+    last: float = Field(description="the latest reading (summed over the model's versions)")
+    max: float = Field(description="the highest reading in the window (summed over versions within a minute)")
+
+
+class Traffic(BaseModel):
+    model: str | None
+    priority: int | None
+    versions: list[str] = Field(description="model versions seen in the window")
+    requests: float
+    rps: float = Field(description="requests per second over the window")
+    outcomes: dict[str, float] = Field(description="requests per outcome")
+    latency_ms: Latency = Field(
+        description="request duration of requests served locally, percentiles interpolated inside histogram buckets"
+    )
+    queue_ms_mean: float | None = Field(description="mean time queued, of requests served locally")
+    compute_ms_mean: float | None = Field(description="mean model run time, of requests served locally")
+    queue_depth: QueueDepth | None = Field(description="requests queued at this priority; null if never reported")
+
+
+class Batches(BaseModel):
+    model: str | None
+    batches: float = Field(description="batches run in the window")
+    mean: float | None = Field(description="mean rows per batch")
+    p50: float | None
+    p99: float | None
+
+
+class GaugeReading(BaseModel):
+    metric: str = Field(description="e.g. hw.gpu.memory.usage, hw.temperature, system.memory.usage")
+    attributes: dict[str, Any]
+    last: float | None
+    at: datetime | None = Field(description="start of the minute of the last reading")
+    min: float | None
+    max: float | None
+
+
+class AgentMetrics(BaseModel):
+    agent: str
+    name: str
+    window: Duration
+    since: datetime = Field(description="start of the oldest minute rollup read (the window in whole minutes)")
+    until: datetime = Field(description="now; rates are per second of since..until")
+    requests: float
+    rps: float
+    outcomes: dict[str, float] = Field(description="requests per outcome (local, rejected, error, ...)")
+    traffic: list[Traffic] = Field(description="per (model, priority)")
+    batches: list[Batches] = Field(description="batch sizes per model")
+    device: list[GaugeReading] = Field(description="device and host gauges, per metric and attributes")
+
+
+@router.get("/{item_id}/metrics", response_model=AgentMetrics, summary="An agent's recent telemetry")
+def agent_metrics(item_id: str, session: SessionDep, settings: SettingsDep, _: Viewer, window: Window = 300) -> Any:
+    return query.agent_metrics(session, item_id, window, retention_s=settings.retention_days * 86400)

@@ -1,0 +1,152 @@
+"""The control plane's own metrics, for Prometheus: HTTP requests per route template, OTLP data points ingested,
+agents by status, and the process. Each app has its own registry (tests build many apps in one process).
+
+Labels are bounded: routes are templates (`/api/v1/slos/{item_id}`), never raw paths, and a request answered
+before or without routing (bad credentials, an oversized body, an unknown path) is `route="(unrouted)"`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from controlplane import __version__
+from controlplane.db.models import Agent, utcnow
+from controlplane.db.repository import count
+
+log = logging.getLogger("spillway.controlplane")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""Prometheus' text exposition format 0.0.4."""
+
+UNROUTED = "(unrouted)"
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+class AgentStatusCollector(Collector):
+    """`spillway_agents{status}` read from the database at scrape time: healthy, stale or never seen."""
+
+    def __init__(self, sessions: Callable[[], sessionmaker[Session] | None], stale_after_s: float) -> None:
+        self.sessions = sessions
+        self.stale_after = timedelta(seconds=stale_after_s)
+
+    def describe(self) -> Iterable[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterable[Metric]:
+        factory = self.sessions()
+        if factory is None:  # before the app's lifespan opened the database
+            return
+        try:
+            with factory() as session:
+                total = count(session, Agent)
+                never = count(session, Agent, Agent.last_seen.is_(None))
+                healthy = count(session, Agent, Agent.last_seen >= utcnow() - self.stale_after)
+        except Exception:  # the other metrics still go out; the database's trouble is in the log
+            log.warning("could not count agents for /metrics", exc_info=True)
+            return
+        family = self._family()
+        for status, n in (("healthy", healthy), ("stale", total - never - healthy), ("never_seen", never)):
+            family.add_metric([status], n)
+        yield family
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "spillway_agents",
+            "enrolled agents by status (stale: not seen for SPILLWAY_STALE_AFTER_S)",
+            labels=["status"],
+        )
+
+
+class ControlPlaneMetrics:
+    """The instruments and their registry."""
+
+    def __init__(self, sessions: Callable[[], sessionmaker[Session] | None], stale_after_s: float) -> None:
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "spillway_http_requests",
+            "HTTP requests answered, by route template, method and status",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.http_duration = Histogram(
+            "spillway_http_request_duration_seconds",
+            "time to answer an HTTP request (until its last body byte was sent), by route template and method",
+            ["route", "method"],
+            registry=self.registry,
+        )
+        self.ingest_points = Counter(
+            "spillway_ingest_data_points",
+            "OTLP data points received from agents: accepted, or rejected through partial_success",
+            ["result"],
+            registry=self.registry,
+        )
+        for result in ("accepted", "rejected"):
+            self.ingest_points.labels(result)  # both series exist from the start, at 0
+        Info("spillway_controlplane", "the control plane's version", registry=self.registry).info(
+            {"version": __version__}
+        )
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.registry.register(AgentStatusCollector(sessions, stale_after_s))
+
+    def observe_http(self, route: str, method: str, status: int, seconds: float) -> None:
+        method = method if method in _METHODS else "other"
+        self.http_requests.labels(route, method, str(status)).inc()
+        self.http_duration.labels(route, method).observe(seconds)
+
+    def ingested(self, accepted: int, rejected: int) -> None:
+        self.ingest_points.labels("accepted").inc(accepted)
+        self.ingest_points.labels("rejected").inc(rejected)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HttpMetrics:
+    """ASGI middleware, outermost, so that it also counts what the body limit and authentication refuse."""
+
+    def __init__(self, app: ASGIApp, metrics: ControlPlaneMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # if the app fails before it answers, the server answers 500
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = getattr(scope.get("route"), "path", None)  # set by the router once it has matched
+            self.metrics.observe_http(route or UNROUTED, scope["method"], status, time.perf_counter() - started)
+
+
+__all__ = ["CONTENT_TYPE", "UNROUTED", "AgentStatusCollector", "ControlPlaneMetrics", "HttpMetrics"]

@@ -1,0 +1,363 @@
+"""Recent SLO windows in memory, fed from the database's minute rollups, so that evaluating every SLO for
+every agent it selects is a handful of array sums instead of a scan of weeks of rollups.
+
+For each SLO the evaluator keeps, per selected agent, the good and total event counts of each minute of the
+last six hours (minute resolution) and of each hour of the SLO's longest window (hour resolution). A window
+of up to six hours is summed exactly from minutes; a longer one (the SLO window, a 3-day alert window) from
+whole hours, the current partial hour included, so its far edge is exact to within an hour.
+
+The database stays the only source of truth: every refresh re-reads the rollups of the current and the
+previous minute (which exports may still be adding to; a late cumulative export lands in the current one)
+and *replaces* those minutes here, so replicas that each keep their own windows agree and a restart loses
+nothing. A change of the SLO (its version) or of the agents it selects reloads what changed from the database.
+A rollup of an older minute that changes later (an out-of-order export) counts once the SLO is next read whole.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import orjson
+from sqlalchemy import String, select, type_coerce
+from sqlalchemy.orm import Session
+
+from controlplane.db.models import Agent, MetricRollup, Slo, utcnow
+from controlplane.slo.maths import GOOD_OUTCOMES, error_budget, good_under_threshold
+
+FINE_MINUTES = 6 * 60  # minute resolution this far back
+REREAD_MINUTES = 1  # minutes before the current one re-read on every refresh (exports may still add to them)
+_METRIC = {"latency": "spillway.request.duration", "availability": "spillway.requests"}
+
+
+def epoch_minute(moment: datetime) -> int:
+    if moment.tzinfo is None:  # SQLite hands back naive datetimes; everything stored is UTC
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp()) // 60
+
+
+def minutes_of(seconds: int) -> int:
+    return max(1, math.ceil(seconds / 60))
+
+
+@dataclass(frozen=True)
+class SloSpec:
+    """What evaluation needs from an SLO row; a new version of the SLO is a new spec."""
+
+    id: str
+    version: int
+    name: str
+    sli_kind: str
+    threshold_s: float | None
+    model: str | None
+    labels: dict[str, str]
+    objective: float
+    window: int
+    alerts: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def of(cls, row: Slo) -> SloSpec:
+        selector = row.selector or {}
+        return cls(
+            id=row.id, version=row.version, name=row.name, sli_kind=row.sli_kind,
+            threshold_s=None if row.threshold_ms is None else row.threshold_ms / 1000, model=selector.get("model"),
+            labels=dict(selector.get("labels") or {}), objective=row.objective, window=row.window,
+            alerts=tuple(dict(a) for a in row.alert_windows),
+        )  # fmt: skip
+
+    @property
+    def metric(self) -> str:
+        return _METRIC[self.sli_kind]
+
+    @property
+    def longest(self) -> int:
+        return max([self.window, *(a["long"] for a in self.alerts)])
+
+    def selects(self, labels: dict[str, Any]) -> bool:
+        return all(labels.get(k) == v for k, v in self.labels.items())
+
+    def counts(self, attributes: dict[str, Any], count: float, total: float, buckets: Sequence[float],
+               bounds: Sequence[float]) -> tuple[float, float] | None:  # fmt: skip
+        """(good, total) events of one rollup row for this SLO, or None when the row is not its business."""
+        if self.model is not None and attributes.get("model") != self.model:
+            return None
+        outcome = attributes.get("outcome")
+        if self.sli_kind == "latency":
+            if outcome != "local":
+                return None  # latency judges answered requests; availability judges the rest
+            assert self.threshold_s is not None
+            return good_under_threshold(buckets, bounds, self.threshold_s), float(count)
+        return (total if outcome in GOOD_OUTCOMES else 0.0), total
+
+
+@dataclass
+class SloWindow:
+    """One SLO's counts: rows are agents, columns ring slots (minutes and hours)."""
+
+    spec: SloSpec
+    agents: list[str]
+    hours: int
+    fine: np.ndarray = field(init=False)  # (2, agents, FINE_MINUTES): good, total
+    coarse: np.ndarray = field(init=False)  # (2, agents, hours)
+
+    def __post_init__(self) -> None:
+        self.row = {agent: i for i, agent in enumerate(self.agents)}
+        self.fine = np.zeros((2, len(self.agents), FINE_MINUTES))
+        self.coarse = np.zeros((2, len(self.agents), self.hours))
+
+    @classmethod
+    def for_spec(cls, spec: SloSpec, agents: list[str]) -> SloWindow:
+        return cls(spec, agents, hours=math.ceil(minutes_of(spec.longest) / 60) + 1)
+
+    def clear_minutes(self, first: int, last: int) -> None:
+        """Forget minutes first..last (inclusive) and the hours that start inside them: their slots are reused."""
+        if last - first + 1 >= FINE_MINUTES:
+            self.fine[:] = 0
+        else:
+            self.fine[:, :, [m % FINE_MINUTES for m in range(first, last + 1)]] = 0
+        first_hour, last_hour = (first + 59) // 60, last // 60
+        if last_hour - first_hour + 1 >= self.hours:
+            self.coarse[:] = 0
+        elif last_hour >= first_hour:
+            self.coarse[:, :, [h % self.hours for h in range(first_hour, last_hour + 1)]] = 0
+
+    def forget(self, first: int, last: int) -> None:
+        """Take recent minutes first..last (the newest the windows hold) out of every agent's counts."""
+        for minute in range(max(first, last - FINE_MINUTES + 1), last + 1):
+            slot, hour = minute % FINE_MINUTES, (minute // 60) % self.hours
+            self.coarse[:, :, hour] -= self.fine[:, :, slot]
+            self.fine[:, :, slot] = 0
+
+    def add(self, row: int, minute: int, latest: int, good: float, total: float) -> None:
+        """Add to one agent's counts of one minute (kept at minute resolution if recent, else only in hours)."""
+        if minute <= latest - self.hours * 60 or minute > latest:
+            return
+        hour = (minute // 60) % self.hours
+        self.coarse[0, row, hour] += good
+        self.coarse[1, row, hour] += total
+        if minute > latest - FINE_MINUTES:
+            slot = minute % FINE_MINUTES
+            self.fine[0, row, slot] += good
+            self.fine[1, row, slot] += total
+
+    def sums(self, seconds: int, latest: int) -> np.ndarray:
+        """(2, agents): good and total per agent over the last `seconds` ending with minute `latest`."""
+        minutes = minutes_of(seconds)
+        if minutes <= FINE_MINUTES:
+            slots = np.arange(latest - minutes + 1, latest + 1) % FINE_MINUTES
+            return self.fine[:, :, slots].sum(axis=2)
+        hours = min(math.ceil(minutes / 60), self.hours)
+        slots = np.arange(latest // 60 - hours + 1, latest // 60 + 1) % self.hours
+        return self.coarse[:, :, slots].sum(axis=2)
+
+
+@dataclass
+class Evaluation:
+    """One SLO evaluated at one moment: fleet-wide and per agent."""
+
+    spec: SloSpec
+    agents: list[str]
+    at: datetime
+    window: np.ndarray  # (2, agents)
+    alerts: list[tuple[dict[str, Any], np.ndarray, np.ndarray]]  # pair, long sums, short sums
+
+    def __post_init__(self) -> None:
+        self._column = {agent: i for i, agent in enumerate(self.agents)}
+
+    def status(self, agent: str | None = None) -> dict[str, Any]:
+        """The SLO's status over all its agents, or over one of them."""
+        columns: Any = slice(None)
+        if agent is not None:
+            columns = [self._column[agent]] if agent in self._column else []
+        budget = error_budget(self.spec.objective)
+
+        def total_of(sums: np.ndarray) -> tuple[float, float]:
+            return float(sums[0, columns].sum()), float(sums[1, columns].sum())
+
+        def rate_of(sums: np.ndarray) -> float | None:
+            good, total = total_of(sums)
+            return None if total <= 0 else (total - good) / total / budget
+
+        good, total = total_of(self.window)
+        rate = rate_of(self.window)
+        alerts = []
+        for pair, long, short in self.alerts:
+            long_rate, short_rate = rate_of(long), rate_of(short)
+            alerts.append({
+                "long": pair["long"], "short": pair["short"], "threshold": pair["burn_rate"],
+                "severity": pair.get("severity", "page"), "long_burn_rate": long_rate, "short_burn_rate": short_rate,
+                "firing": long_rate is not None and short_rate is not None
+                and long_rate >= pair["burn_rate"] and short_rate >= pair["burn_rate"],
+            })  # fmt: skip
+        return {
+            "slo": self.spec.id,
+            "name": self.spec.name,
+            "agents": len(self.agents) if agent is None else len(columns),
+            "window": self.spec.window,
+            "objective": self.spec.objective,
+            "sli": good / total if total > 0 else None,
+            "good": good,
+            "total": total,
+            "error_budget": budget,
+            "budget_remaining": None if rate is None else 1.0 - rate,
+            "alerts": alerts,
+            "evaluated_at": self.at,
+        }
+
+    def per_agent(self) -> list[dict[str, Any]]:
+        return [self.status(agent) | {"agent": agent} for agent in self.agents]
+
+
+class SloWindows:
+    """Every SLO's recent windows for the agents it selects; thread-safe, one per control-plane process."""
+
+    def __init__(self) -> None:
+        self._slos: dict[str, SloWindow] = {}
+        self._latest: int | None = None  # newest minute the windows hold
+        self._attributes: dict[str, dict[str, Any]] = {}  # series key -> its attributes
+        self._lock = threading.Lock()
+        self.refreshed_at: datetime | None = None
+
+    def refresh(self, session: Session, now: datetime | None = None) -> None:
+        """Bring every SLO's windows up to `now` from the database."""
+        now = now or utcnow()
+        with self._lock:
+            self._refresh(session, epoch_minute(now))
+            self.refreshed_at = now
+
+    def evaluate(self, session: Session, now: datetime | None = None, *, max_age_s: float = 0.0) -> list[Evaluation]:
+        """Refresh (unless the last refresh is younger than `max_age_s`) and evaluate every SLO."""
+        now = now or utcnow()
+        with self._lock:
+            fresh = self.refreshed_at is not None and (now - self.refreshed_at).total_seconds() < max_age_s
+            if not fresh:
+                self._refresh(session, epoch_minute(now))
+                self.refreshed_at = now
+            latest = self._latest or epoch_minute(now)
+            return [self._evaluate(w, latest, now) for w in self._slos.values()]
+
+    # ---- inside the lock -----------------------------------------------------------------------
+
+    def _refresh(self, session: Session, now_minute: int) -> None:
+        specs = {row.id: SloSpec.of(row) for row in session.scalars(select(Slo))}
+        labels = {a.id: a.labels or {} for a in session.execute(select(Agent.id, Agent.labels))}
+        latest = max(now_minute, self._latest or now_minute)
+        if self._latest is not None and latest > self._latest:
+            for window in self._slos.values():
+                window.clear_minutes(self._latest + 1, latest)
+        self._latest = latest
+        for slo_id in list(self._slos):
+            if slo_id not in specs:
+                del self._slos[slo_id]
+        for slo_id, spec in specs.items():
+            agents = sorted(a for a, agent_labels in labels.items() if spec.selects(agent_labels))
+            current = self._slos.get(slo_id)
+            if current is None or current.spec != spec:  # new or changed: read its whole window
+                window, joined = SloWindow.for_spec(spec, agents), agents
+            elif current.agents != agents:  # agents joined or left: read the newcomers' whole window
+                window, joined = self._regroup(current, agents), [a for a in agents if a not in current.row]
+            else:
+                continue
+            self._slos[slo_id] = window
+            if joined:
+                self._load(session, [window], joined, latest - minutes_of(spec.longest) - 60, latest)
+        windows = list(self._slos.values())
+        agents = sorted({a for w in windows for a in w.agents})
+        if agents:  # the last minutes, which exports may still be adding to, are read again every time
+            self._load(session, windows, agents, latest - REREAD_MINUTES, latest, replace=True)
+
+    @staticmethod
+    def _regroup(current: SloWindow, agents: list[str]) -> SloWindow:
+        """The same SLO over a changed set of agents: keep the rows of those that stay."""
+        window = SloWindow(current.spec, agents, current.hours)
+        keep = [a for a in agents if a in current.row]
+        if keep:
+            new_rows = [window.row[a] for a in keep]
+            old_rows = [current.row[a] for a in keep]
+            window.fine[:, new_rows] = current.fine[:, old_rows]
+            window.coarse[:, new_rows] = current.coarse[:, old_rows]
+        return window
+
+    def _load(self, session: Session, windows: list[SloWindow], agents: list[str], since: int, latest: int, *,
+              replace: bool = False) -> None:  # fmt: skip
+        """Add minutes `since`..`latest` of `agents` in `windows` from the database (`replace`: those minutes
+        held something already, which the database's current rows supersede).
+
+        This is the evaluator's hot path (every cycle reads the last minutes of every agent), so rows are read
+        raw: no JSON or timestamp processing except for histogram buckets, and each series' attributes are
+        looked up once and judged once per SLO."""
+        if replace:
+            for window in windows:
+                window.forget(since, latest)
+        start = datetime.fromtimestamp(since * 60, tz=timezone.utc)
+        sums: dict[tuple[int, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+        minutes: dict[Any, int] = {}
+        for metric in sorted({w.spec.metric for w in windows}):
+            mine = [(i, w) for i, w in enumerate(windows) if w.spec.metric == metric]
+            histogram = metric == _METRIC["latency"]
+            columns: list[Any] = [MetricRollup.agent_id, MetricRollup.series, type_coerce(MetricRollup.minute, String)]
+            columns += [MetricRollup.count, type_coerce(MetricRollup.buckets, String),
+                        type_coerce(MetricRollup.bounds, String)] if histogram else [MetricRollup.total]  # fmt: skip
+            for chunk in _chunks(agents, 500):
+                where = (MetricRollup.metric == metric, MetricRollup.minute >= start, MetricRollup.agent_id.in_(chunk))
+                rows = session.execute(select(*columns).where(*where)).all()
+                self._learn_series(session, {r[1] for r in rows}, where)
+                for row in rows:
+                    m = minutes.get(row[2])
+                    if m is None:
+                        m = minutes[row[2]] = _raw_minute(row[2])
+                    attributes = self._attributes[row[1]]
+                    buckets = bounds = None
+                    for i, window in mine:
+                        index = window.row.get(row[0])
+                        if index is None:
+                            continue
+                        if histogram:
+                            if buckets is None:
+                                buckets, bounds = _raw_json(row[4]), _raw_json(row[5])
+                            counts = window.spec.counts(attributes, row[3], 0.0, buckets, bounds or ())
+                        else:
+                            counts = window.spec.counts(attributes, 0, float(row[3]), (), ())
+                        if counts is not None:
+                            cell = sums[(i, index, m)]
+                            cell[0] += counts[0]
+                            cell[1] += counts[1]
+        for (i, index, m), (good, total) in sums.items():
+            windows[i].add(index, m, latest, good, total)
+
+    def _learn_series(self, session: Session, series: set[str], where: tuple[Any, ...]) -> None:
+        """A series' attributes never change (its key hashes them): read each once, not with every rollup."""
+        unknown = [s for s in series if s not in self._attributes]
+        for chunk in _chunks(unknown, 500):
+            query = select(MetricRollup.series, MetricRollup.attributes).where(*where, MetricRollup.series.in_(chunk))
+            for key, attributes in session.execute(query):
+                self._attributes[key] = attributes
+
+    def _evaluate(self, window: SloWindow, latest: int, now: datetime) -> Evaluation:
+        alerts = [(pair, window.sums(pair["long"], latest), window.sums(pair["short"], latest))
+                  for pair in window.spec.alerts]  # fmt: skip
+        return Evaluation(window.spec, window.agents, now, window.sums(window.spec.window, latest), alerts)
+
+
+def _raw_minute(value: Any) -> int:
+    """A minute column read raw: a datetime (PostgreSQL) or SQLite's ISO text."""
+    return epoch_minute(value if isinstance(value, datetime) else datetime.fromisoformat(value))
+
+
+def _raw_json(value: Any) -> Any:
+    """A JSON column read raw: text (SQLite) or already parsed (PostgreSQL's JSONB)."""
+    return orjson.loads(value) if isinstance(value, str | bytes) else value
+
+
+def _chunks(items: list[str], size: int) -> Iterable[list[str]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+__all__ = ["Evaluation", "SloSpec", "SloWindow", "SloWindows", "epoch_minute"]
