@@ -29,6 +29,15 @@ def test_restart_duplicate_and_late_points() -> None:
     assert tracker.delta(sum_point(10, 12, 1)).value == 1  # type: ignore[union-attr]  # went down: a reset
 
 
+def test_after_a_control_plane_restart_old_runs_are_a_baseline_not_counted_again() -> None:
+    before = DeltaTracker(horizon_ns=10)  # the first process was up before the run began
+    assert before.delta(sum_point(50, 110, 7)).value == 7  # type: ignore[union-attr]
+    after = DeltaTracker(horizon_ns=200)  # the restarted process: 7 were counted already
+    assert after.delta(sum_point(50, 210, 9)) is None  # a baseline
+    assert after.delta(sum_point(50, 220, 12)).value == 3  # type: ignore[union-attr]  # what follows counts
+    assert after.delta(sum_point(205, 230, 4)).value == 4  # type: ignore[union-attr]  # a run begun since: in full
+
+
 def test_histograms_subtract_bucket_by_bucket() -> None:
     tracker = DeltaTracker()
     first = Point("h", "histogram", 0, 1, count=3, total=0.3, buckets=(1, 2, 0), bounds=(0.1, 0.5))

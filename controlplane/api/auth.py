@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -68,10 +69,18 @@ def authorize_role(principal: Principal, role: Role) -> Principal:
     return principal
 
 
+_noted: dict[str, float] = {}  # agent id -> when (monotonic) this process last wrote its last_seen
+
+
 def authorize_agent(session: Session, principal: Principal) -> Principal:
-    """Agent endpoints only; a call from the agent itself is what `last_seen` records."""
+    """Agent endpoints only; a call from the agent itself is what `last_seen` records (written at most once a
+    minute per agent and process: an agent polling and exporting every few seconds costs no write each time)."""
     if principal.kind != "agent":
         raise Forbidden("this endpoint is for agents: use the agent's token")
+    moment = time.monotonic()
+    if moment - _noted.get(principal.id, -1e9) < _LAST_USED_RESOLUTION.total_seconds():
+        return principal
+    _noted[principal.id] = moment
     now = utcnow()
     session.execute(
         update(Agent)

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 RUNS_KEPT = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Point:
     """One data point of a sum or histogram (gauges are not converted)."""
 
@@ -37,11 +37,18 @@ class Point:
     cumulative: bool = True
 
     def minus(self, earlier: Point) -> Point:
+        # Built field by field (not `dataclasses.replace`): this runs for every point of every export.
         if self.kind == "sum":
-            return replace(self, value=self.value - earlier.value, cumulative=False)
+            return Point(self.stream, self.kind, self.start, self.time, self.value - earlier.value, self.count,
+                         self.total, self.buckets, self.bounds, cumulative=False)  # fmt: skip
         buckets = tuple(a - b for a, b in zip(self.buckets, earlier.buckets, strict=True))
-        return replace(self, count=self.count - earlier.count, total=self.total - earlier.total, buckets=buckets,
-                       cumulative=False)  # fmt: skip
+        return Point(self.stream, self.kind, self.start, self.time, self.value, self.count - earlier.count,
+                     self.total - earlier.total, buckets, self.bounds, cumulative=False)  # fmt: skip
+
+    def as_delta(self) -> Point:
+        """This point as a delta from zero (the first of a run, or after a reset)."""
+        return Point(self.stream, self.kind, self.start, self.time, self.value, self.count, self.total, self.buckets,
+                     self.bounds, cumulative=False)  # fmt: skip
 
     def went_down_from(self, earlier: Point) -> bool:
         if self.kind == "sum":
@@ -52,10 +59,17 @@ class Point:
 
 
 class DeltaTracker:
-    """Turns cumulative points into deltas; bounded to `max_streams` streams (least recently seen dropped)."""
+    """Turns cumulative points into deltas; bounded to `max_streams` streams (least recently seen dropped).
 
-    def __init__(self, max_streams: int = 1_000_000) -> None:
+    `horizon_ns` (the control plane's start): a run that started before it and that this tracker has not seen
+    may have been counted by the process before this one (a restart), so its first point is only a baseline:
+    what it adds from then on counts, what it held does not. Without a horizon every new run counts in full.
+    A stream dropped for the bound moves the horizon to the time it was dropped, for the same reason.
+    """
+
+    def __init__(self, max_streams: int = 1_000_000, *, horizon_ns: int | None = None) -> None:
         self.max_streams = max_streams
+        self.horizon_ns = horizon_ns
         self._runs: OrderedDict[Hashable, OrderedDict[int, Point]] = OrderedDict()
 
     def delta(self, point: Point) -> Point | None:
@@ -68,6 +82,8 @@ class DeltaTracker:
             self._runs[point.stream] = runs
             if len(self._runs) > self.max_streams:
                 self._runs.popitem(last=False)
+                if self.horizon_ns is not None:
+                    self.horizon_ns = max(self.horizon_ns, point.time)
         else:
             self._runs.move_to_end(point.stream)
         last = runs.get(point.start)
@@ -77,12 +93,14 @@ class DeltaTracker:
             runs[point.start] = point
             while len(runs) > RUNS_KEPT:
                 runs.pop(min(runs))
-            return replace(point, cumulative=False)
+            if self.horizon_ns is not None and point.start < self.horizon_ns:
+                return None  # begun before this process: perhaps counted by the one before; a baseline
+            return point.as_delta()
         if point.time <= last.time:
             return None  # duplicate or late: the newer point already covered it
         runs[point.start] = point
         if point.went_down_from(last):
-            return replace(point, cumulative=False)  # reset within a run: count from zero
+            return point.as_delta()  # reset within a run: count from zero
         return point.minus(last)
 
     def __len__(self) -> int:

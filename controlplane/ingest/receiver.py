@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 import zlib
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -20,14 +21,16 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete
 from sqlalchemy.orm import Session, sessionmaker
 
-from controlplane.db.models import Agent, MetricRollup, utcnow
+from controlplane.db.models import MetricRollup
 from controlplane.errors import Forbidden, UndecodableMetrics, UnsupportedMediaType
 from controlplane.ingest.deltas import DeltaTracker, Point
+from controlplane.ingest.store import add_rollups, mark_seen
 
 CUMULATIVE = 2
+_SERIES_CACHE_SIZE = 100_000  # (metric, attributes as sent) -> series key; cleared when it grows past this
 
 
 def prune(session: Session, older_than: datetime) -> int:
@@ -75,6 +78,11 @@ def _attributes(pairs: Any) -> dict[str, Any]:
     return {kv.key: _value(kv.value) for kv in pairs}
 
 
+def series_key(metric: str, attributes: dict[str, Any]) -> str:
+    """A series' stable identity (the `series` column): sha256 of its metric name and attributes."""
+    return hashlib.sha256(json.dumps([metric, attributes], sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _minute(time_unix_nano: int) -> datetime:
     seconds = time_unix_nano // 1_000_000_000
     return datetime.fromtimestamp(seconds - seconds % 60, tz=timezone.utc)
@@ -101,15 +109,50 @@ class IngestResult:
     message: str = ""
 
 
+@dataclass(eq=False)
+class _Pending:
+    """One export's rows, waiting to be written; `done` once its transaction ended (`error` if it failed)."""
+
+    agent_id: str
+    rows: list[dict[str, Any]]
+    done: bool = False
+    error: BaseException | None = None
+
+
 class Ingestor:
-    """One per control-plane process; thread-safe (routes run in a thread pool)."""
+    """One per control-plane process; thread-safe (routes run in a thread pool).
+
+    Exports are folded one at a time, in arrival order, and written with group commit: an export that finds
+    no write running writes every export queued so far in one transaction, the others wait for the write that
+    holds theirs. So an answer still means "stored", exports of one agent are written in the order they were
+    folded, and a busy control plane pays one commit (one fsync) for many exports instead of one each.
+    """
 
     def __init__(self, factory: sessionmaker[Session], *, max_series_per_agent: int = 10_000) -> None:
         self.factory = factory
         self.max_series_per_agent = max_series_per_agent
-        self.tracker = DeltaTracker()
-        self._series: dict[str, set[str]] = defaultdict(set)
-        self._lock = threading.Lock()
+        # Runs begun before this process started may have been counted by its predecessor: a baseline each.
+        self.tracker = DeltaTracker(horizon_ns=time.time_ns())
+        self._known: dict[str, set[str]] = defaultdict(set)
+        # The series key and attributes of each attribute list as sent: agents send the same few hundred again
+        # every export, so hashing them once saves most of the per-point work. Keyed by the protobuf encoding
+        # of each attribute, which determines the decoded attributes, so a hit is exactly what a miss computes.
+        self._series_cache: dict[tuple[str, tuple[bytes, ...]], tuple[str, dict[str, Any]]] = {}
+        self._lock = threading.Lock()  # the tracker, the series sets, the write queue
+        self._written = threading.Condition(self._lock)  # notified when a write ends
+        self._queue: list[_Pending] = []  # folded, not yet being written
+        self._writing = False
+
+    def _series(self, metric: str, pairs: Any) -> tuple[str, dict[str, Any]]:
+        key = (metric, tuple(kv.SerializeToString() for kv in pairs))
+        found = self._series_cache.get(key)
+        if found is None:
+            attributes = _attributes(pairs)
+            found = (series_key(metric, attributes), attributes)
+            if len(self._series_cache) >= _SERIES_CACHE_SIZE:
+                self._series_cache.clear()
+            self._series_cache[key] = found
+        return found
 
     def ingest(self, agent_id: str, message: ExportMetricsServiceRequest) -> IngestResult:
         for resource_metrics in message.resource_metrics:
@@ -120,7 +163,7 @@ class Ingestor:
         accepted = rejected = 0
         reasons: set[str] = set()
         with self._lock:
-            known = self._series[agent_id]
+            known = self._known[agent_id]
             for resource_metrics in message.resource_metrics:
                 for scope in resource_metrics.scope_metrics:
                     for metric in scope.metrics:
@@ -133,10 +176,7 @@ class Ingestor:
                         data = getattr(metric, kind)
                         cumulative = getattr(data, "aggregation_temporality", 0) == CUMULATIVE
                         for dp in data.data_points:
-                            attributes = _attributes(dp.attributes)
-                            series = hashlib.sha256(
-                                json.dumps([metric.name, attributes], sort_keys=True, default=str).encode()
-                            ).hexdigest()
+                            series, attributes = self._series(metric.name, dp.attributes)
                             if series not in known and len(known) >= self.max_series_per_agent:
                                 rejected += 1
                                 reasons.add(f"cardinality limit of {self.max_series_per_agent} series per agent")
@@ -144,9 +184,31 @@ class Ingestor:
                             known.add(series)
                             accepted += 1
                             self._fold(rollups, agent_id, series, metric.name, kind, attributes, dp, cumulative)
-            if rollups:
-                self._write(agent_id, rollups)
-        return IngestResult(accepted, rejected, "; ".join(sorted(reasons)))
+            result = IngestResult(accepted, rejected, "; ".join(sorted(reasons)))
+            if not rollups:
+                return result
+            pending = _Pending(agent_id, _rows(agent_id, rollups))
+            self._queue.append(pending)  # under the lock that folded it: the queue is in fold order
+        self._store(pending)
+        return result
+
+    def _store(self, pending: _Pending) -> None:
+        """Wait until `pending` is written; when no write is running, write everything queued (group commit)."""
+        with self._lock:
+            while self._writing and not pending.done:
+                self._written.wait()
+            batch = None
+            if not pending.done:  # nobody took it: it is in the queue, and this thread writes the queue
+                batch, self._queue, self._writing = self._queue, [], True
+        if batch is not None:
+            try:
+                self._write(batch)
+            finally:
+                with self._lock:
+                    self._writing = False
+                    self._written.notify_all()
+        if pending.error is not None:
+            raise pending.error
 
     def _fold(self, rollups: dict[tuple[str, datetime], _Rollup], agent_id: str, series: str, name: str, kind: str,
               attributes: dict[str, Any], dp: Any, cumulative: bool) -> None:  # fmt: skip
@@ -183,35 +245,48 @@ class Ingestor:
             [a + b for a, b in zip(roll.buckets, delta.buckets, strict=True)] if roll.buckets else list(delta.buckets)
         )
 
-    def _write(self, agent_id: str, rollups: dict[tuple[str, datetime], _Rollup]) -> None:
+    def _write(self, batch: list[_Pending]) -> None:
+        """Store a batch in one transaction; if that fails, each export alone, so one bad export fails alone."""
+        try:
+            try:
+                self._transaction(batch)
+            except Exception as exc:
+                if len(batch) == 1:
+                    batch[0].error = exc
+                    return
+                for pending in batch:
+                    try:
+                        self._transaction([pending])
+                    except Exception as alone:
+                        pending.error = alone
+            except BaseException as exc:  # the interpreter is stopping: nobody in the batch hears "stored"
+                for pending in batch:
+                    pending.error = exc
+                raise
+        finally:
+            for pending in batch:
+                pending.done = True
+
+    def _transaction(self, batch: list[_Pending]) -> None:
+        """Add the exports' rollups to the stored ones, export after export, and note the agents as seen.
+
+        Each export's rows are sorted by key and the agents' rows are updated last, in one statement, so that
+        two transactions (replicas on PostgreSQL) take their locks in the same order.
+        """
         with self.factory() as session, session.begin():
-            series = {s for s, _ in rollups}
-            minutes = {m for _, m in rollups}
-            existing = {
-                (row.series, row.minute): row
-                for row in session.scalars(
-                    select(MetricRollup)
-                    .where(MetricRollup.agent_id == agent_id, MetricRollup.series.in_(series),
-                           MetricRollup.minute.in_(minutes))
-                    .with_for_update()
-                )
-            }  # fmt: skip
-            for (series_key, minute), roll in rollups.items():
-                row = existing.get((series_key, minute))
-                if row is None:
-                    session.add(MetricRollup(agent_id=agent_id, series=series_key, minute=minute, **asdict(roll)))
-                    continue
-                row.count += roll.count
-                row.total += roll.total
-                if roll.buckets and len(row.buckets) == len(roll.buckets):
-                    row.buckets = [a + b for a, b in zip(row.buckets, roll.buckets, strict=True)]
-                elif roll.buckets and not row.buckets:
-                    row.buckets = roll.buckets
-                if roll.kind == "gauge":
-                    row.last = roll.last
-                    row.min = roll.min if row.min is None or roll.min is None else min(row.min, roll.min)
-                    row.max = roll.max if row.max is None or roll.max is None else max(row.max, roll.max)
-            session.execute(update(Agent).where(Agent.id == agent_id).values(last_seen=utcnow()))
+            conn = session.connection()
+            for pending in batch:
+                add_rollups(conn, pending.rows)
+            mark_seen(conn, {pending.agent_id for pending in batch})
+
+
+def _rows(agent_id: str, rollups: dict[tuple[str, datetime], _Rollup]) -> list[dict[str, Any]]:
+    return [
+        {"agent_id": agent_id, "series": series, "minute": minute, "metric": roll.metric,
+         "attributes": roll.attributes, "kind": roll.kind, "count": roll.count, "total": roll.total,
+         "buckets": roll.buckets, "bounds": roll.bounds, "last": roll.last, "min": roll.min, "max": roll.max}
+        for (series, minute), roll in sorted(rollups.items(), key=lambda item: item[0])
+    ]  # fmt: skip
 
 
 __all__ = ["IngestResult", "Ingestor", "decode", "prune"]
