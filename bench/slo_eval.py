@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import insert, text, update
 
 from controlplane.db import make_engine, make_sessionmaker, migrate_to
-from controlplane.db.models import Agent, MetricRollup, Slo
+from controlplane.db.models import Agent, MetricRollup, Rule, Slo
 
 BOUNDS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
 OUTCOMES = ("local", "rejected", "overflow")
@@ -66,8 +66,41 @@ def _rollups(agents: list[str], minute: datetime, rng: random.Random) -> list[di
     return rows
 
 
-def run(url: str, *, agents: int, slos: int, history_min: int, cycles: int, seed: int = 1) -> dict[str, Any]:
-    """Fill `url` (an empty database) and time the evaluator; returns the figures."""
+def _rules(count: int) -> list[dict[str, Any]]:
+    """A mix of every condition kind and action, some firing on the generated traffic, fleet-wide or per site."""
+    from controlplane.schemas.rules import RuleCreate
+
+    kinds: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        ({"kind": "burn_rate", "slo": "slo-0", "long_window": 3600, "short_window": 300, "threshold": 14.4},
+         {"kind": "switch_variant", "version": 2}),
+        ({"kind": "error_ratio", "threshold": 0.2, "window": 300}, {"kind": "shed", "priority_at_or_below": 3}),
+        ({"kind": "latency", "quantile": 0.99, "threshold_ms": 50, "window": 300},
+         {"kind": "tune_batching", "max_queue_delay_us": 500}),
+        ({"kind": "gauge", "metric": "queue_depth", "op": ">", "threshold": 64},
+         {"kind": "tune_batching", "max_queue_delay_us": 200}),
+        ({"kind": "gauge", "metric": "gpu_temperature_c", "op": ">=", "threshold": 85},
+         {"kind": "shed", "priority_at_or_below": 2}),
+        ({"kind": "stale", "after": 60}, {"kind": "fallback", "priority_at_or_below": 1, "mode": "cache"}),
+        ({"kind": "burn_rate", "slo": "slo-1", "long_window": 21600, "short_window": 1800, "threshold": 6},
+         {"kind": "shed", "priority_at_or_below": 3}),
+    ]  # fmt: skip
+    rules = []
+    for i in range(count):
+        condition, action = kinds[i % len(kinds)]
+        site = {} if i % 2 == 0 else {"site": SITES[i % len(SITES)]}
+        body = RuleCreate.model_validate({
+            "name": f"rule-{i}", "selector": {"labels": site, "model": "mlp"}, "condition": condition,
+            "action": action, "hysteresis": {"for": "30s", "recover_after": "2m"},
+        })  # fmt: skip
+        rules.append({"id": f"r{i:04d}", "version": 1, **body.model_dump()})
+    return rules
+
+
+def run(url: str, *, agents: int, slos: int, history_min: int, cycles: int, rules: int = 0,
+        seed: int = 1) -> dict[str, Any]:  # fmt: skip
+    """Fill `url` (an empty database) and time the evaluator: the SLO windows alone, or with `rules` the whole
+    control loop cycle (windows, every rule for every agent, states, events, policies); returns the figures."""
+    from controlplane.rules.loop import ControlLoop, PolicyDefaults
     from controlplane.slo.windows import SloWindows
 
     rng = random.Random(seed)
@@ -81,6 +114,8 @@ def run(url: str, *, agents: int, slos: int, history_min: int, cycles: int, seed
             {"id": a, "name": a, "version": 1, "labels": {"site": SITES[i % len(SITES)], "tier": "edge"},
              "device_class": "cpu", "token_hash": "x"} for i, a in enumerate(ids)])  # fmt: skip
         session.execute(insert(Slo), _slos(slos))
+        if rules:
+            session.execute(insert(Rule), _rules(rules))
     rows = 0
     fill_started = time.perf_counter()
     for back in range(history_min, -1, -1):
@@ -90,11 +125,17 @@ def run(url: str, *, agents: int, slos: int, history_min: int, cycles: int, seed
         rows += len(batch)
     fill_s = time.perf_counter() - fill_started
     windows = SloWindows()
-    with factory() as session:
-        started = time.perf_counter()
-        evaluations = windows.evaluate(session, now)
-        cold_s = time.perf_counter() - started
-    pairs = sum(len(e.agents) for e in evaluations)
+    loop = ControlLoop(factory, windows, PolicyDefaults([10.0, 50.0, 100.0], 5.0, 5.0, 15.0))
+
+    def evaluate(now: datetime) -> int:
+        if rules:
+            return loop.cycle(now).pairs
+        with factory() as session:
+            return sum(len(e.agents) for e in windows.evaluate(session, now) if e.spec.source == "slo")
+
+    started = time.perf_counter()
+    pairs = evaluate(now)
+    cold_s = time.perf_counter() - started
     times = []
     for _ in range(cycles):
         now += timedelta(seconds=5)  # one export interval later: every agent's current minute grew
@@ -104,18 +145,18 @@ def run(url: str, *, agents: int, slos: int, history_min: int, cycles: int, seed
                 .where(MetricRollup.minute == now.replace(second=0), MetricRollup.metric == "spillway.requests")
                 .values(total=MetricRollup.total + 1)
             )
-        with factory() as session:
-            started = time.perf_counter()
-            windows.evaluate(session, now)
-            times.append(time.perf_counter() - started)
-    if engine.dialect.name == "postgresql":
+        started = time.perf_counter()
+        evaluate(now)
+        times.append(time.perf_counter() - started)
+    if engine.dialect.name == "postgresql":  # leave the database as empty as it came
         with engine.begin() as conn:
-            conn.execute(text("DROP TABLE IF EXISTS metric_rollups, events, rules, backends, slos, api_keys, agents, "
-                              "alembic_version CASCADE"))  # fmt: skip
+            conn.execute(text("DROP SCHEMA public CASCADE"))
+            conn.execute(text("CREATE SCHEMA public"))
     engine.dispose()
     times.sort()
     return {
-        "agents": agents, "slos": slos, "pairs": pairs, "rows": rows, "fill_s": fill_s, "cold_s": cold_s,
+        "agents": agents, "slos": slos, "rules": rules, "pairs": pairs, "rows": rows, "fill_s": fill_s,
+        "cold_s": cold_s,
         "median_s": statistics.median(times), "p99_s": times[min(len(times) - 1, int(len(times) * 0.99))],
         "max_s": times[-1], "cycles": cycles,
     }  # fmt: skip
@@ -123,14 +164,15 @@ def run(url: str, *, agents: int, slos: int, history_min: int, cycles: int, seed
 
 def table(results: list[tuple[str, dict[str, Any]]]) -> str:
     lines = [
-        "| database | agents | SLOs | (SLO, agent) pairs | rollup rows | cold first evaluation | cycle median | "
-        "cycle p99 | cycles |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| database | what is timed | agents | SLOs | rules | pairs evaluated | rollup rows | cold first cycle | "
+        "cycle median | cycle p99 | cycles |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in results:
+        what = "control loop cycle" if r["rules"] else "SLO windows refresh + evaluation"
         lines.append(
-            f"| {name} | {r['agents']} | {r['slos']} | {r['pairs']} | {r['rows']:,} | {r['cold_s']:.2f} s | "
-            f"{r['median_s'] * 1000:.0f} ms | {r['p99_s'] * 1000:.0f} ms | {r['cycles']} |"
+            f"| {name} | {what} | {r['agents']} | {r['slos']} | {r['rules']} | {r['pairs']} | {r['rows']:,} | "
+            f"{r['cold_s']:.2f} s | {r['median_s'] * 1000:.0f} ms | {r['p99_s'] * 1000:.0f} ms | {r['cycles']} |"
         )
     return "\n".join(lines)
 
@@ -141,18 +183,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=1000)
     parser.add_argument("--slos", type=int, default=5)
+    parser.add_argument("--rules", type=int, default=0, help="also time the whole control loop with this many rules")
     parser.add_argument("--history-min", type=int, default=30)
     parser.add_argument("--cycles", type=int, default=20)
     parser.add_argument("--postgres-url", default=None)
     args = parser.parse_args(argv)
+    options = {"agents": args.agents, "slos": args.slos, "history_min": args.history_min, "cycles": args.cycles}
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        url = f"sqlite:///{Path(tmp) / 'slo.db'}"
-        results.append(("SQLite", run(url, agents=args.agents, slos=args.slos, history_min=args.history_min,
-                                      cycles=args.cycles)))  # fmt: skip
-    if args.postgres_url:
-        results.append(("PostgreSQL", run(args.postgres_url, agents=args.agents, slos=args.slos,
-                                          history_min=args.history_min, cycles=args.cycles)))  # fmt: skip
+    for rules in sorted({0, args.rules}):
+        with tempfile.TemporaryDirectory() as tmp:
+            results.append(("SQLite", run(f"sqlite:///{Path(tmp) / 'slo.db'}", rules=rules, **options)))
+        if args.postgres_url:
+            results.append(("PostgreSQL", run(args.postgres_url, rules=rules, **options)))
     print(table(results))
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.db.models import Agent, ApiKey, utcnow
-from controlplane.db.repository import Actor, check_if_match, flush, record_event
+from controlplane.db.repository import Actor, check_if_match, count, flush, record_event
 from controlplane.errors import Conflict, DuplicateName, NotFound
 from controlplane.secrets import (
     AGENT_TOKEN_PREFIX,
@@ -125,3 +127,11 @@ def rotate_agent_token(session: Session, agent: Agent, actor: Actor) -> str:
     )
     flush(session, "API key")
     return token
+
+
+def agent_counts(session: Session, stale_after_s: float) -> dict[str, int]:
+    """Agents by status: healthy (seen within `stale_after_s`), stale, or never seen."""
+    total = count(session, Agent)
+    never = count(session, Agent, Agent.last_seen.is_(None))
+    healthy = count(session, Agent, Agent.last_seen >= utcnow() - timedelta(seconds=stale_after_s))
+    return {"total": total, "healthy": healthy, "stale": total - never - healthy, "never_seen": never}

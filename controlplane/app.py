@@ -15,12 +15,13 @@ from sqlalchemy import text
 
 from controlplane import __version__
 from controlplane.api import access as access_routes
-from controlplane.api import agent_metrics, events, ingest, monitoring, status
+from controlplane.api import agent_metrics, events, ingest, monitoring, policy, status
 from controlplane.api.authn import Authenticate
 from controlplane.api.deps import Viewer, require_admin, require_editor, require_viewer
 from controlplane.api.errors import install_error_handlers
 from controlplane.api.limits import BodyLimit
 from controlplane.api.resources import resource_router
+from controlplane.api.rule_status import rule_status_router
 from controlplane.api.slo_status import slo_status_router
 from controlplane.db.migrate import head_revision, migrate_to
 from controlplane.db.models import Agent, Backend, Rule, Slo, utcnow
@@ -29,6 +30,7 @@ from controlplane.db.session import make_engine, make_sessionmaker
 from controlplane.errors import ValidationFailed
 from controlplane.ingest.receiver import Ingestor
 from controlplane.monitoring import ControlPlaneMetrics, HttpMetrics
+from controlplane.rules.loop import ControlLoop, Leadership, PolicyDefaults
 from controlplane.schemas.access import AgentCreate, AgentPatch, AgentRead
 from controlplane.schemas.backends import BackendCreate, BackendPatch, BackendRead
 from controlplane.schemas.common import ERROR_RESPONSES
@@ -56,14 +58,18 @@ def agent_reader(stale_after_s: float) -> Any:
 
 
 def threshold_on_boundary(boundaries_ms: list[float]) -> Any:
-    """A latency SLO's threshold must be a histogram bucket boundary, else its SLI could not be exact."""
+    """A latency SLO's (or latency rule's) threshold must be a histogram bucket boundary, else it is not exact."""
 
     def check(values: dict[str, Any]) -> None:
         threshold = values.get("threshold_ms")
+        field = "body.threshold_ms"
+        condition = values.get("condition")
+        if isinstance(condition, dict) and condition.get("kind") == "latency":  # a rule's latency condition
+            threshold, field = condition.get("threshold_ms"), "body.condition.latency.threshold_ms"
         if threshold is not None and not any(abs(threshold - b) <= 1e-9 * b for b in boundaries_ms):
             listed = ", ".join(f"{b:g}" for b in sorted(boundaries_ms))
             raise ValidationFailed.field(
-                "body.threshold_ms",
+                field,
                 f"{threshold:g} is not a latency bucket boundary; use one of {listed} (or add it to "
                 "SPILLWAY_LATENCY_BUCKETS_MS and the agents' latency_buckets_ms)",
             )
@@ -75,10 +81,12 @@ def _api_router(settings: Settings) -> APIRouter:
     api = APIRouter(responses=ERROR_RESPONSES)
     slo_kind = ResourceKind("slo", Slo, SloCreate, SloRead.model_validate,
                             check=threshold_on_boundary(settings.latency_buckets_ms))  # fmt: skip
+    rule_kind = ResourceKind("rule", Rule, RuleCreate, RuleRead.model_validate,
+                             check=threshold_on_boundary(settings.latency_buckets_ms))  # fmt: skip
     kinds: list[tuple[ResourceKind[Any], str, type[BaseModel], type[BaseModel], Any, bool]] = [
         (slo_kind, "slos", SloRead, SloPatch, require_editor, True),
         (
-            ResourceKind("rule", Rule, RuleCreate, RuleRead.model_validate),
+            rule_kind,
             "rules",
             RuleRead,
             RulePatch,
@@ -110,10 +118,12 @@ def _api_router(settings: Settings) -> APIRouter:
             )
         )
     api.include_router(slo_status_router(slo_kind))
+    api.include_router(rule_status_router(rule_kind))
     api.include_router(access_routes.keys_router)
     api.include_router(events.router)
     api.include_router(status.router)
     api.include_router(agent_metrics.router)
+    api.include_router(policy.router)
     return api
 
 
@@ -146,10 +156,32 @@ async def _retention_loop(app: FastAPI, settings: Settings, every_s: float = 360
     while True:
         try:
             removed = await to_thread.run_sync(prune_once, app, settings)
+            app.state.retention_passes += 1
             if removed:
                 log.info("retention: deleted %d minute rollups older than %.0f days", removed, settings.retention_days)
         except Exception:  # a failed pass is retried next time; it never takes the API down
             log.warning("retention pass failed", exc_info=True)
+        await asyncio.sleep(every_s)
+
+
+async def _control_loop(app: FastAPI, every_s: float) -> None:
+    """Every `every_s`: keep or try to take the leadership; the leader runs a cycle, off the event loop."""
+    from anyio import to_thread
+
+    loop: ControlLoop = app.state.control_loop
+    leadership: Leadership = app.state.leadership
+    while True:
+        try:
+            if await to_thread.run_sync(leadership.ensure):
+                report = await to_thread.run_sync(loop.cycle)
+                if report.seconds > every_s:
+                    log.warning("control loop: a cycle took %.2f s, longer than its %.1f s interval",
+                                report.seconds, every_s)  # fmt: skip
+            else:
+                loop.forget()
+        except Exception:  # a failed cycle is retried next time; it never takes the API down
+            log.warning("control loop cycle failed", exc_info=True)
+            loop.forget()
         await asyncio.sleep(every_s)
 
 
@@ -165,13 +197,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.sessionmaker = make_sessionmaker(engine)
         app.state.schema_head = head_revision()
         app.state.slo_windows = SloWindows()
+        app.state.control_loop = ControlLoop(app.state.sessionmaker, app.state.slo_windows, app.state.policy_defaults)
+        app.state.leadership = Leadership(engine)
         app.state.ingestor = Ingestor(app.state.sessionmaker, max_series_per_agent=settings.max_series_per_agent)
         app.state.ingest_slots = asyncio.Semaphore(settings.ingest_max_concurrent)
-        retention = asyncio.create_task(_retention_loop(app, settings))
+        app.state.retention_passes = 0
+        tasks = [asyncio.create_task(_retention_loop(app, settings))]
+        if settings.control_loop_interval_s > 0:
+            tasks.append(asyncio.create_task(_control_loop(app, settings.control_loop_interval_s)))
         try:
             yield
         finally:
-            retention.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            app.state.leadership.release()
             engine.dispose()
 
     app = FastAPI(
@@ -184,6 +224,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     app.state.settings = settings
+    app.state.policy_defaults = PolicyDefaults(
+        buckets_ms=list(settings.latency_buckets_ms), export_interval_s=settings.agent_export_interval_s,
+        poll_interval_s=settings.policy_poll_interval_s, stale_after_s=settings.stale_after_s,
+    )  # fmt: skip
     app.state.monitoring = ControlPlaneMetrics(lambda: getattr(app.state, "sessionmaker", None), settings.stale_after_s)
     install_error_handlers(app)
     # Outermost first: count every request, refuse oversized bodies, then authenticate, then route.

@@ -28,8 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane import __version__
-from controlplane.db.models import Agent, utcnow
-from controlplane.db.repository import count
+from controlplane.access import agent_counts
 
 log = logging.getLogger("spillway.controlplane")
 
@@ -56,15 +55,13 @@ class AgentStatusCollector(Collector):
             return
         try:
             with factory() as session:
-                total = count(session, Agent)
-                never = count(session, Agent, Agent.last_seen.is_(None))
-                healthy = count(session, Agent, Agent.last_seen >= utcnow() - self.stale_after)
+                counts = agent_counts(session, self.stale_after.total_seconds())
         except Exception:  # the other metrics still go out; the database's trouble is in the log
             log.warning("could not count agents for /metrics", exc_info=True)
             return
         family = self._family()
-        for status, n in (("healthy", healthy), ("stale", total - never - healthy), ("never_seen", never)):
-            family.add_metric([status], n)
+        for status in ("healthy", "stale", "never_seen"):
+            family.add_metric([status], counts[status])
         yield family
 
     @staticmethod

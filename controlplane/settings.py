@@ -41,6 +41,15 @@ class Settings(BaseSettings):
         default_factory=lambda: list(DEFAULT_LATENCY_BUCKETS_MS), min_length=1,
         description="The agents' latency histogram boundaries (JSON list); a latency SLO's threshold must be one.",
     )  # fmt: skip
+    control_loop_interval_s: float = Field(
+        default=5.0, ge=0, description="How often the control loop evaluates the rules (seconds); 0: never."
+    )
+    policy_poll_interval_s: float = Field(
+        default=5.0, ge=0.5, le=3600, description="How often agents poll their policy (sent in the policy)."
+    )
+    agent_export_interval_s: float = Field(
+        default=5.0, ge=0.5, le=3600, description="How often agents export metrics (sent in the policy)."
+    )
     stale_after_s: float = Field(default=15.0, gt=0, description="An agent not seen for this long is `stale`.")
     tls_certfile: str | None = Field(default=None, description="PEM certificate: set with the key file to serve HTTPS.")
     tls_keyfile: str | None = Field(default=None, description="PEM private key for `tls_certfile`.")

@@ -109,7 +109,9 @@ def make_keys(url: str) -> dict[str, str]:
 
 
 def open_api(url: str, **settings: object) -> Iterator[Api]:
+    """The real app on `url`; its control loop runs only when a test drives it (or sets an interval)."""
     keys = make_keys(url)
+    settings.setdefault("control_loop_interval_s", 0)
     app = create_app(Settings(database_url=url, **settings))  # type: ignore[arg-type]
     with TestClient(app, raise_server_exceptions=False) as client:
         yield Api(client, url, keys)
@@ -148,7 +150,7 @@ class Plane:
 @pytest.fixture
 def plane(db_url: str) -> Iterator[Plane]:
     admin = make_keys(db_url)["admin"]
-    app = create_app(Settings(database_url=db_url, max_series_per_agent=40))
+    app = create_app(Settings(database_url=db_url, max_series_per_agent=40, control_loop_interval_s=0))
     with serving(app) as url:
         created = httpx.post(f"{url}/api/v1/agents", json=make_agent(), headers={"Authorization": f"Bearer {admin}"})
         body = created.json()
@@ -161,3 +163,12 @@ def telemetry_for(plane: Plane, agent_id: str | None = None) -> AgentTelemetry:
         export_interval_s=3600, latency_buckets_ms=(10.0, 100.0),
     )  # fmt: skip
     return AgentTelemetry(settings, probes=False)
+
+
+@pytest.fixture
+def factory(db_url: str) -> Iterator[Any]:
+    """A session factory on a migrated database (SQLite and PostgreSQL, through `db_url`)."""
+    migrate_to(db_url)
+    engine = make_engine(db_url)
+    yield make_sessionmaker(engine)
+    engine.dispose()

@@ -148,7 +148,7 @@ def test_rule_and_slo_round_trip_durations_and_selectors(sqlite_api: Api) -> Non
     assert rule.status_code == 201, rule.text
     body = rule.json()
     assert body["selector"]["labels"] == {"site": "berlin", "tier": "edge"}
-    assert body["hysteresis"] == {"for": "90s", "recover_after": "10m"}
+    assert body["hysteresis"] == {"for": "90s", "recover_after": "10m", "recovery_steps": 1, "max_flaps_per_hour": 4}
     slo = sqlite_api.call("POST", "/api/v1/slos", json=make_slo(window=86400 * 30)).json()
     assert slo["window"] == "30d"  # the SRE workbook's pairs as they are for a 30-day window
     assert [(a["long"], a["short"], a["burn_rate"], a["severity"]) for a in slo["alert_windows"]] == [
@@ -228,7 +228,7 @@ def test_concurrent_writers_with_the_same_etag_cannot_both_win(db_url: str) -> N
                 "kind": "fallback",
                 "priority_at_or_below": 3,
                 "mode": "default",
-                "default_output": {"x": float("nan")},
+                "default_outputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [float("nan")]}],
             }
         ),
         make_backend(url="http://h/\x00", auth_header="Bearer TOPSECRET"),

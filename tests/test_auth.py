@@ -21,6 +21,7 @@ PROBES = {"/healthz", "/readyz"}
 RANK = {"viewer": 0, "editor": 1, "admin": 2, "agent": 99}  # no operator role reaches agent endpoints
 AGENT_ONLY = {"/v1/metrics"}
 READ_ONLY = {"/metrics", "/api/v1/agents/{item_id}/metrics"}  # Prometheus scrape, an agent's telemetry
+AGENT_OWN = {"/api/v1/agents/{item_id}/policy"}  # viewers, and the agent itself (tests/test_policy_api.py)
 
 
 def walk_routes(app: FastAPI) -> Iterator[tuple[str, str]]:
@@ -117,6 +118,8 @@ def test_agent_tokens_reach_no_operator_endpoint(sqlite_api: Api) -> None:
             method, _concrete(path), headers={"Authorization": f"Bearer {token}"}, json=_body(path)
         )
         assert response.status_code == 403, (method, path)
+        if path in AGENT_OWN:  # another agent's: refused for that reason
+            assert "only its own" in response.json()["message"]
 
 
 def test_keys_are_random_hashed_shown_once_and_revocable(sqlite_api: Api) -> None:

@@ -11,7 +11,7 @@ from sqlalchemy import inspect
 from controlplane.db import Base, make_engine
 from controlplane.db.migrate import alembic_config, head_revision
 
-TABLES = {"agents", "api_keys", "slos", "rules", "backends", "events", "metric_rollups"}
+TABLES = {"agents", "api_keys", "slos", "rules", "backends", "events", "metric_rollups", "policies", "rule_states"}
 
 
 def _tables(url: str) -> set[str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import make_keys
 from tests.utils.server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,6 +76,69 @@ def test_replicas_starting_together_on_postgres_take_turns_to_migrate(postgres_u
             assert _wait(port, proc, 200).status_code == 200
     finally:
         _stop(*procs)
+
+
+@pytest.mark.postgres
+def test_exactly_one_replica_runs_the_control_loop_and_another_takes_over(postgres_url: str, tmp_path: Path) -> None:
+    key = make_keys(postgres_url)["viewer"]
+    ports = [free_port(), free_port()]
+    logs = [tmp_path / f"replica{i}.log" for i in range(2)]
+    procs = []
+    for port, log in zip(ports, logs, strict=True):
+        with log.open("wb") as out:  # a file, not a pipe: a chatty replica must never block on a full pipe
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--port", str(port)],
+                env=_env(SPILLWAY_DATABASE_URL=postgres_url, SPILLWAY_CONTROL_LOOP_INTERVAL_S="0.3"),
+                stdout=out, stderr=subprocess.STDOUT,
+            ))  # fmt: skip
+
+    def loops() -> list[dict]:
+        return [httpx.get(f"http://127.0.0.1:{port}/api/v1/status", headers={"Authorization": f"Bearer {key}"},
+                          timeout=5).json()["control_loop"] for port in ports]  # fmt: skip
+
+    def settle(deadline_s: float = 30) -> list[dict]:
+        deadline = time.monotonic() + deadline_s
+        while True:
+            states = loops()
+            leaders = [s for s in states if s["leader"] and s["last_cycle_at"]]
+            if len(leaders) == 1 or time.monotonic() > deadline:
+                return states
+            time.sleep(0.2)
+
+    def loops_of(index: int) -> dict:
+        response = httpx.get(f"http://127.0.0.1:{ports[index]}/api/v1/status",
+                             headers={"Authorization": f"Bearer {key}"}, timeout=5)  # fmt: skip
+        return response.json()["control_loop"]
+
+    try:
+        for port, proc in zip(ports, procs, strict=True):
+            assert _wait(port, proc, 200).status_code == 200
+        states = settle()
+        assert sorted(s["leader"] for s in states) == [False, True], states  # exactly one leads
+        for _ in range(10):  # and it stays that way: the other never starts a cycle
+            time.sleep(0.3)
+            states = loops()
+            assert sorted(s["leader"] for s in states) == [False, True], states
+            assert [s["last_cycle_at"] is None for s in states].count(True) == 1, states
+        leader = next(i for i, s in enumerate(states) if s["leader"])
+        follower = 1 - leader
+        procs[leader].kill()  # dies without letting go: its connection, and the lock, go with the process
+        procs[leader].wait(timeout=15)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            state = loops_of(follower)
+            if state["leader"] and state["last_cycle_at"]:
+                break
+            time.sleep(0.2)
+        assert state["leader"] and state["last_cycle_at"], (state, logs[follower].read_text())
+        first = state["last_cycle_at"]
+        time.sleep(1.0)
+        assert loops_of(follower)["last_cycle_at"] > first  # it keeps cycling
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=15)
 
 
 def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:

@@ -5,32 +5,18 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 from sqlalchemy import select
 
-from controlplane.db import make_engine, make_sessionmaker, migrate_to
 from controlplane.db.models import Agent, MetricRollup, Slo
 from controlplane.slo.maths import GOOD_OUTCOMES, good_under_threshold
 from controlplane.slo.windows import Evaluation, SloWindows
+from tests.utils.rollups import add_agent, add_rollup
 
 T0 = datetime(2026, 11, 2, 9, 0, tzinfo=timezone.utc)
-BOUNDS = [0.01, 0.1]
-
-
-@pytest.fixture
-def factory(db_url: str) -> Iterator[Any]:
-    migrate_to(db_url)
-    engine = make_engine(db_url)
-    yield make_sessionmaker(engine)
-    engine.dispose()
-
-
-def _agent(session: Any, ident: str, site: str) -> None:
-    session.add(Agent(id=ident, name=ident, version=1, labels={"site": site}, device_class="cpu", token_hash="x"))
 
 
 def _slo(session: Any, ident: str, kind: str, window: int, alerts: list[dict[str, Any]], **extra: Any) -> Slo:
@@ -39,25 +25,6 @@ def _slo(session: Any, ident: str, kind: str, window: int, alerts: list[dict[str
               alert_windows=alerts, **extra)  # fmt: skip
     session.add(row)
     return row
-
-
-def _rollup(session: Any, agent: str, minute: datetime, metric: str, outcome: str, n: int, fast: int = 0,
-            model: str = "mlp") -> None:  # fmt: skip
-    series = f"{metric}|{model}|{outcome}"
-    where = (MetricRollup.agent_id == agent, MetricRollup.series == series, MetricRollup.minute == minute)
-    existing = session.scalars(select(MetricRollup).where(*where)).first()
-    if metric == "spillway.requests":
-        values: dict[str, Any] = {"kind": "sum", "count": 0, "total": float(n), "buckets": [], "bounds": []}
-    else:
-        values = {"kind": "histogram", "count": n, "total": 0.0, "buckets": [fast, n - fast, 0], "bounds": BOUNDS}
-    if existing is not None:  # what a later export of the same minute does: the minute's counts grow
-        existing.total += values["total"]
-        existing.count += values["count"]
-        existing.buckets = [a + b for a, b in zip(existing.buckets, values["buckets"], strict=True)]
-        return
-    attributes = {"model": model, "priority": 1, "outcome": outcome}
-    session.add(MetricRollup(agent_id=agent, metric=metric, series=series, attributes=attributes, minute=minute,
-                             **values))  # fmt: skip
 
 
 def _brute(session: Any, slo: Slo, agents: list[str], now: datetime, seconds: int) -> tuple[float, float]:
@@ -90,7 +57,7 @@ def test_windows_match_the_rollups_as_time_moves_and_exports_arrive_late(factory
     alerts = [{"long": 3600, "short": 300, "burn_rate": 14.4}, {"long": 6 * 3600, "short": 1800, "burn_rate": 6}]
     with factory() as session, session.begin():
         for ident, site in [("a1", "berlin"), ("a2", "berlin"), ("a3", "paris")]:
-            _agent(session, ident, site)
+            add_agent(session, ident, site)
         _slo(session, "lat", "latency", 6 * 3600, alerts)
         _slo(session, "avail", "availability", 6 * 3600, alerts)
     windows = SloWindows()
@@ -102,9 +69,9 @@ def test_windows_match_the_rollups_as_time_moves_and_exports_arrive_late(factory
                 agent = rng.choice(["a1", "a2", "a3"])
                 minute = now.replace(second=0, microsecond=0) - timedelta(minutes=rng.choice([0, 0, 1]))
                 n = rng.randint(1, 50)
-                _rollup(session, agent, minute, "spillway.request.duration", "local", n, fast=rng.randint(0, n))
-                _rollup(session, agent, minute, "spillway.requests", rng.choice(["local", "rejected", "error"]), n)
-                _rollup(session, agent, minute, "spillway.requests", "local", n, model="other")
+                add_rollup(session, agent, minute, "spillway.request.duration", "local", n, fast=rng.randint(0, n))
+                add_rollup(session, agent, minute, "spillway.requests", rng.choice(["local", "rejected", "error"]), n)
+                add_rollup(session, agent, minute, "spillway.requests", "local", n, model="other")
         with factory() as session:
             evaluations = windows.evaluate(session, now)
             for slo_id in ("lat", "avail"):
@@ -128,12 +95,12 @@ def test_windows_match_the_rollups_as_time_moves_and_exports_arrive_late(factory
 def test_long_windows_are_exact_to_within_an_hour_and_survive_a_restart(factory: Any) -> None:
     alerts = [{"long": 3 * 86400, "short": 6 * 3600, "burn_rate": 1}]
     with factory() as session, session.begin():
-        _agent(session, "a1", "berlin")
+        add_agent(session, "a1", "berlin")
         _slo(session, "avail", "availability", 7 * 86400, alerts)
         for hours_ago in range(0, 8 * 24, 5):  # 40 rollups spread over 8 days, 2 requests each, 1 bad
             minute = T0 - timedelta(hours=hours_ago, minutes=17)
-            _rollup(session, "a1", minute, "spillway.requests", "local", 1)
-            _rollup(session, "a1", minute, "spillway.requests", "rejected", 1)
+            add_rollup(session, "a1", minute, "spillway.requests", "local", 1)
+            add_rollup(session, "a1", minute, "spillway.requests", "rejected", 1)
     with factory() as session:
         evaluation = _of(SloWindows().evaluate(session, T0), "avail")
         slo = session.get(Slo, "avail")
@@ -149,12 +116,12 @@ def test_long_windows_are_exact_to_within_an_hour_and_survive_a_restart(factory:
 def test_an_slo_change_or_an_agent_joining_reloads_what_changed(factory: Any) -> None:
     alerts = [{"long": 3600, "short": 300, "burn_rate": 2}]
     with factory() as session, session.begin():
-        _agent(session, "a1", "berlin")
-        _agent(session, "a2", "paris")
+        add_agent(session, "a1", "berlin")
+        add_agent(session, "a2", "paris")
         _slo(session, "lat", "latency", 86400, alerts)
         for agent in ("a1", "a2"):
-            _rollup(session, agent, T0 - timedelta(hours=2), "spillway.request.duration", "local", 10, fast=9)
-        _rollup(session, "a2", T0 - timedelta(minutes=10), "spillway.request.duration", "local", 5, fast=5)
+            add_rollup(session, agent, T0 - timedelta(hours=2), "spillway.request.duration", "local", 10, fast=9)
+        add_rollup(session, "a2", T0 - timedelta(minutes=10), "spillway.request.duration", "local", 5, fast=5)
     windows = SloWindows()
     with factory() as session:
         assert _of(windows.evaluate(session, T0), "lat").status()["total"] == 10

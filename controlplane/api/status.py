@@ -11,9 +11,10 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from controlplane import __version__
+from controlplane.access import agent_counts
 from controlplane.api.agent_metrics import Window
 from controlplane.api.deps import SessionDep, SettingsDep, Viewer
-from controlplane.db.models import Agent, Backend, MetricRollup, Rule, Slo, utcnow
+from controlplane.db.models import Backend, MetricRollup, Rule, Slo, utcnow
 from controlplane.db.repository import count
 from controlplane.errors import ValidationFailed
 from controlplane.query import REQUEST_DURATION, REQUESTS, SERVED, Histogram, merge_histograms, summarise
@@ -84,6 +85,16 @@ class SloState(BaseModel):
     firing: list[str] = Field(description="alert pairs firing now, as 'long/short'")
 
 
+class ControlLoopState(BaseModel):
+    """This replica's part in the control loop (one replica leads at a time on PostgreSQL)."""
+
+    leader: bool
+    interval_s: float = Field(description="0: the loop is off on this replica")
+    last_cycle_at: datetime | None
+    last_cycle_s: float | None = Field(description="how long the last cycle took")
+    pairs: int | None = Field(description="(rule, agent) pairs the last cycle evaluated")
+
+
 class FleetStatus(BaseModel):
     version: str
     agents: AgentCounts
@@ -93,6 +104,7 @@ class FleetStatus(BaseModel):
     backends: int
     live: FleetLive
     slo_states: list[SloState] = Field(description="every SLO now, least budget left first")
+    control_loop: ControlLoopState
 
 
 MAX_LIVE_WINDOW_S = 86400
@@ -125,6 +137,8 @@ def slo_states(request: Request, session: Session, max_age_s: float) -> list[dic
     windows: SloWindows = request.app.state.slo_windows
     states = []
     for evaluation in windows.evaluate(session, max_age_s=max_age_s):
+        if evaluation.spec.source != "slo":
+            continue
         status = evaluation.status()
         firing = [
             f"{format_duration(a['long'])}/{format_duration(a['short'])}" for a in status["alerts"] if a["firing"]
@@ -141,17 +155,23 @@ def fleet_status(request: Request, session: SessionDep, settings: SettingsDep, _
         raise ValidationFailed.field("query.window", "must be at most 1 day for the fleet's live figures")
     window_s = int(window)
     now = utcnow()
-    fresh_since = now - timedelta(seconds=settings.stale_after_s)
-    total = count(session, Agent)
-    never = count(session, Agent, Agent.last_seen.is_(None))
-    healthy = count(session, Agent, Agent.last_seen >= fresh_since)
     return FleetStatus(
         version=__version__,
-        agents=AgentCounts(total=total, healthy=healthy, stale=total - never - healthy, never_seen=never),
+        agents=AgentCounts.model_validate(agent_counts(session, settings.stale_after_s)),
         slos=count(session, Slo),
         rules=count(session, Rule),
         rules_enabled=count(session, Rule, Rule.enabled.is_(True)),
         backends=count(session, Backend),
         live=FleetLive.model_validate(live_traffic(session, window_s, now)),
         slo_states=[SloState.model_validate(s) for s in slo_states(request, session, settings.evaluation_interval_s)],
+        control_loop=_loop_state(request, settings.control_loop_interval_s),
     )
+
+
+def _loop_state(request: Request, interval_s: float) -> ControlLoopState:
+    last = request.app.state.control_loop.last
+    leader = interval_s > 0 and request.app.state.leadership.leader
+    return ControlLoopState(
+        leader=leader, interval_s=interval_s, last_cycle_at=last.at if last else None,
+        last_cycle_s=last.seconds if last else None, pairs=last.pairs if last else None,
+    )  # fmt: skip

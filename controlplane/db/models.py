@@ -11,6 +11,7 @@ from sqlalchemy import (
     Boolean,
     DateTime,
     Float,
+    ForeignKey,
     Index,
     Integer,
     String,
@@ -182,3 +183,30 @@ class MetricRollup(Base):
     last: Mapped[float | None] = mapped_column(Float, default=None)  # gauges
     min: Mapped[float | None] = mapped_column(Float, default=None)
     max: Mapped[float | None] = mapped_column(Float, default=None)
+
+
+class Policy(Base):
+    """The policy document last published for one agent (what `GET /api/v1/agents/{id}/policy` serves)."""
+
+    __tablename__ = "policies"
+
+    agent_id: Mapped[str] = mapped_column(String(16), ForeignKey("agents.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    etag: Mapped[str] = mapped_column(String(80))
+    document: Mapped[dict[str, Any]] = mapped_column()
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class RuleState(Base):
+    """Where one rule stands for one agent (the control loop's memory across cycles and replicas)."""
+
+    __tablename__ = "rule_states"
+
+    rule_id: Mapped[str] = mapped_column(String(16), ForeignKey("rules.id", ondelete="CASCADE"), primary_key=True)
+    agent_id: Mapped[str] = mapped_column(String(16), ForeignKey("agents.id", ondelete="CASCADE"), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16))  # ok | pending | firing | recovering
+    since: Mapped[datetime] = mapped_column()
+    fired_at: Mapped[datetime | None] = mapped_column(default=None)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    flaps: Mapped[list[Any]] = mapped_column(default=list)  # when it recovered, within the last hour
+    data: Mapped[dict[str, Any]] = mapped_column(default=dict)  # the numbers of the last transition

@@ -19,6 +19,7 @@ class BurnRateCondition(Strict):
     long_window: PositiveDuration = 3600
     short_window: PositiveDuration = 300
     threshold: float = Field(gt=0, le=1e6)
+    min_requests: int = Field(default=20, ge=0, description="no firing on fewer requests than this (short window)")
 
     @model_validator(mode="after")
     def _short_inside_long(self) -> BurnRateCondition:
@@ -101,13 +102,17 @@ class ShedAction(Strict):
 class FallbackAction(Strict):
     kind: Literal["fallback"]
     priority_at_or_below: int = Field(ge=1, le=64)
-    mode: Literal["cache", "default", "async"] = "cache"
-    default_output: dict[str, Any] | None = Field(default=None, description="V2 outputs served when mode=default")
+    mode: Literal["cache", "default"] = Field(
+        default="cache", description="cache: the last answer to the same inputs; default: `default_outputs`"
+    )
+    default_outputs: list[dict[str, Any]] | None = Field(
+        default=None, max_length=64, description="V2 output tensors (name, shape, datatype, data) for mode=default"
+    )
 
     @model_validator(mode="after")
     def _default_given(self) -> FallbackAction:
-        if self.mode == "default" and self.default_output is None:
-            raise ValueError("fallback mode 'default' needs default_output")
+        if self.mode == "default" and not self.default_outputs:
+            raise ValueError("fallback mode 'default' needs default_outputs")
         return self
 
 
@@ -122,6 +127,14 @@ ACTION_LADDER = ("tune_batching", "switch_variant", "shed", "fallback")
 class Hysteresis(Strict):
     for_: Duration = Field(default=0, alias="for", description="the condition holds this long before firing")
     recover_after: Duration = Field(default=0, description="clear this long before reverting")
+    recovery_steps: int = Field(
+        default=1, ge=1, le=64,
+        description="revert in this many steps, each after recover_after clear (shed: one level fewer per step)",
+    )  # fmt: skip
+    max_flaps_per_hour: int = Field(
+        default=4, ge=1, le=1000,
+        description="a rule that fired and recovered this many times in an hour stays fired (and says so)",
+    )  # fmt: skip
 
 
 class RuleCreate(Strict):

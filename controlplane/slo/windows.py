@@ -28,7 +28,7 @@ import orjson
 from sqlalchemy import String, select, type_coerce
 from sqlalchemy.orm import Session
 
-from controlplane.db.models import Agent, MetricRollup, Slo, utcnow
+from controlplane.db.models import Agent, MetricRollup, Rule, Slo, utcnow
 from controlplane.slo.maths import GOOD_OUTCOMES, error_budget, good_under_threshold
 
 FINE_MINUTES = 6 * 60  # minute resolution this far back
@@ -60,6 +60,22 @@ class SloSpec:
     objective: float
     window: int
     alerts: tuple[dict[str, Any], ...]
+    source: str = "slo"  # slo | rule (a rule's latency or error-ratio condition, counted the same way)
+
+    @classmethod
+    def of_rule(cls, row: Rule) -> SloSpec | None:
+        """A latency condition (share of requests within the threshold) or an error-ratio condition (share
+        of good outcomes) counts exactly like a latency or an availability SLO over the condition's window."""
+        condition, selector = row.condition or {}, row.selector or {}
+        if condition.get("kind") not in ("latency", "error_ratio"):
+            return None
+        latency = condition["kind"] == "latency"
+        return cls(
+            id=f"rule:{row.id}", version=row.version, name=row.name, sli_kind="latency" if latency else "availability",
+            threshold_s=float(condition["threshold_ms"]) / 1000 if latency else None, model=selector.get("model"),
+            labels=dict(selector.get("labels") or {}), objective=0.0, window=int(condition.get("window", 300)),
+            alerts=(), source="rule",
+        )  # fmt: skip
 
     @classmethod
     def of(cls, row: Slo) -> SloSpec:
@@ -244,8 +260,25 @@ class SloWindows:
 
     # ---- inside the lock -----------------------------------------------------------------------
 
+    def objective(self, spec_id: str) -> float:
+        with self._lock:
+            return self._slos[spec_id].spec.objective
+
+    def window_sums(self, spec_id: str, seconds: list[int]) -> tuple[list[str], list[np.ndarray]] | None:
+        """The agents of one SLO (or rule condition) and their (2, agents) sums over each of `seconds`, as of
+        the last refresh; None for an SLO the windows do not hold. Windows beyond what it keeps are clamped."""
+        with self._lock:
+            window = self._slos.get(spec_id)
+            if window is None or self._latest is None:
+                return None
+            return list(window.agents), [window.sums(s, self._latest) for s in seconds]
+
     def _refresh(self, session: Session, now_minute: int) -> None:
         specs = {row.id: SloSpec.of(row) for row in session.scalars(select(Slo))}
+        for rule in session.scalars(select(Rule).where(Rule.enabled.is_(True))):
+            spec = SloSpec.of_rule(rule)
+            if spec is not None:
+                specs[spec.id] = spec
         labels = {a.id: a.labels or {} for a in session.execute(select(Agent.id, Agent.labels))}
         latest = max(now_minute, self._latest or now_minute)
         if self._latest is not None and latest > self._latest:

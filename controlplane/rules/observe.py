@@ -1,0 +1,187 @@
+"""What each rule's condition sees for each agent it selects, now: whether it is met, and the numbers behind it
+(they go into the events, so an operator can tell why a rule fired).
+
+- `burn_rate`: the SLO's burn rate over the condition's long and short windows, for this agent;
+- `latency`: the share of this agent's served requests within the threshold over the window (the quantile is
+  above the threshold exactly when that share is below the quantile, thresholds being bucket boundaries);
+- `error_ratio`: the share of this agent's requests with a bad outcome over the window;
+- `gauge`: the agent's latest reading (queue depth of the selected models, GPU memory free, temperature,
+  utilisation) from the last two minutes of rollups;
+- `stale`: how long since the agent last reported (an agent that never reported is not stale: not yet started).
+
+A ratio condition under its `min_requests` is not met: a quiet device with one slow request is not an incident.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from controlplane.db.models import MetricRollup
+from controlplane.slo.maths import error_budget
+from controlplane.slo.windows import SloWindows
+
+GAUGE_METRICS = ("spillway.queue.depth", "hw.gpu.memory.usage", "hw.gpu.memory.limit", "hw.gpu.utilization",
+                 "hw.temperature")  # fmt: skip
+_OPS = {">": np.greater, ">=": np.greater_equal, "<": np.less, "<=": np.less_equal}
+
+
+@dataclass(frozen=True)
+class Seen:
+    met: bool
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AgentGauges:
+    """An agent's latest device and queue readings."""
+
+    queue_depth: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per model
+    gpu_memory_used: float | None = None
+    gpu_memory_limit: float | None = None
+    gpu_utilization: float | None = None
+    gpu_temperature_c: float | None = None
+
+    def value(self, metric: str, model: str | None) -> float | None:
+        if metric == "queue_depth":
+            if model is not None:
+                return self.queue_depth.get(model, 0.0) if self.queue_depth else None
+            return sum(self.queue_depth.values()) if self.queue_depth else None
+        if metric == "gpu_memory_free_bytes":
+            if self.gpu_memory_used is None or self.gpu_memory_limit is None:
+                return None
+            return self.gpu_memory_limit - self.gpu_memory_used
+        if metric == "gpu_memory_free_ratio":
+            if self.gpu_memory_used is None or not self.gpu_memory_limit:
+                return None
+            return 1.0 - self.gpu_memory_used / self.gpu_memory_limit
+        if metric == "gpu_temperature_c":
+            return self.gpu_temperature_c
+        if metric == "gpu_utilization":
+            return self.gpu_utilization
+        raise ValueError(f"unknown gauge metric {metric}")
+
+
+def read_gauges(session: Session, now: datetime) -> dict[str, AgentGauges]:
+    """Every agent's latest gauge readings from the rollups of the current and the previous minute."""
+    since = now.replace(second=0, microsecond=0) - timedelta(minutes=1)
+    query = select(MetricRollup.agent_id, MetricRollup.metric, MetricRollup.series, MetricRollup.minute,
+                   MetricRollup.attributes, MetricRollup.last).where(
+        MetricRollup.metric.in_(GAUGE_METRICS), MetricRollup.minute >= since, MetricRollup.kind == "gauge")  # fmt: skip
+    latest: dict[tuple[str, str], Any] = {}
+    for row in session.execute(query):
+        key = (row.agent_id, row.series)
+        if key not in latest or row.minute > latest[key].minute:
+            latest[key] = row
+    gauges: dict[str, AgentGauges] = defaultdict(AgentGauges)
+    for (agent, _), row in latest.items():
+        if row.last is None:
+            continue
+        g, attributes = gauges[agent], row.attributes or {}
+        if row.metric == "spillway.queue.depth":
+            g.queue_depth[str(attributes.get("model"))] += row.last
+        elif row.metric == "hw.gpu.memory.usage":
+            g.gpu_memory_used = (g.gpu_memory_used or 0.0) + row.last
+        elif row.metric == "hw.gpu.memory.limit":
+            g.gpu_memory_limit = (g.gpu_memory_limit or 0.0) + row.last
+        elif row.metric == "hw.gpu.utilization":
+            g.gpu_utilization = max(g.gpu_utilization or 0.0, row.last)
+        elif row.metric == "hw.temperature":
+            g.gpu_temperature_c = max(g.gpu_temperature_c or -273.0, row.last)
+    return gauges
+
+
+class Observer:
+    """Answers 'is this rule's condition met for this agent' for one cycle, from the windows and gauges."""
+
+    def __init__(self, windows: SloWindows, slo_ids: dict[str, str], gauges: dict[str, AgentGauges],
+                 last_seen: dict[str, datetime | None], stale_after_s: float, now: datetime) -> None:  # fmt: skip
+        self.windows = windows
+        self.slo_ids = slo_ids  # SLO name -> id
+        self.gauges = gauges
+        self.last_seen = last_seen
+        self.stale_after_s = stale_after_s
+        self.now = now
+        self._sums: dict[tuple[str, tuple[int, ...]], tuple[dict[str, int], list[np.ndarray]] | None] = {}
+
+    def _window(self, spec_id: str, seconds: tuple[int, ...]) -> tuple[dict[str, int], list[np.ndarray]] | None:
+        key = (spec_id, seconds)
+        if key not in self._sums:
+            found = self.windows.window_sums(spec_id, list(seconds))
+            self._sums[key] = None if found is None else ({a: i for i, a in enumerate(found[0])}, found[1])
+        return self._sums[key]
+
+    def see(self, rule_id: str, condition: dict[str, Any], model: str | None, agent: str) -> Seen:
+        kind = condition["kind"]
+        if kind == "burn_rate":
+            return self._burn(condition, agent)
+        if kind in ("latency", "error_ratio"):
+            return self._ratio(rule_id, condition, agent)
+        if kind == "gauge":
+            value = self.gauges[agent].value(condition["metric"], model) if agent in self.gauges else None
+            numbers = {"metric": condition["metric"], "value": value, "op": condition["op"],
+                       "threshold": condition["threshold"]}  # fmt: skip
+            met = value is not None and bool(_OPS[condition["op"]](value, condition["threshold"]))
+            return Seen(met, numbers)
+        if kind == "stale":
+            seen_at = self.last_seen.get(agent)
+            after = float(condition.get("after") or self.stale_after_s)
+            if seen_at is None:
+                return Seen(False, {"last_seen": None, "after_s": after})
+            silent = (self.now - seen_at).total_seconds()
+            return Seen(silent > after, {"silent_s": round(silent, 1), "after_s": after})
+        raise ValueError(f"unknown condition kind {kind}")
+
+    def _burn(self, condition: dict[str, Any], agent: str) -> Seen:
+        slo_id = self.slo_ids.get(condition["slo"])
+        numbers: dict[str, Any] = {"slo": condition["slo"], "threshold": condition["threshold"]}
+        if slo_id is None:
+            return Seen(False, {**numbers, "error": "no SLO with this name"})
+        found = self._window(slo_id, (int(condition["long_window"]), int(condition["short_window"])))
+        if found is None or agent not in found[0]:
+            return Seen(False, {**numbers, "error": "the SLO does not select this agent"})
+        column = found[0][agent]
+        objective = self.windows.objective(slo_id)
+        rates = []
+        for sums in found[1]:
+            good, total = float(sums[0, column]), float(sums[1, column])
+            rates.append(None if total <= 0 else (total - good) / total / error_budget(objective))
+        short_total = float(found[1][1][1, column])
+        numbers.update(long_burn_rate=rates[0], short_burn_rate=rates[1], requests_short=short_total)
+        met = (rates[0] is not None and rates[1] is not None and short_total >= condition.get("min_requests", 0)
+               and rates[0] >= condition["threshold"] and rates[1] >= condition["threshold"])  # fmt: skip
+        return Seen(met, numbers)
+
+    def _ratio(self, rule_id: str, condition: dict[str, Any], agent: str) -> Seen:
+        found = self._window(f"rule:{rule_id}", (int(condition.get("window", 300)),))
+        if found is None or agent not in found[0]:
+            return Seen(False, {"requests": 0})
+        column = found[0][agent]
+        good, total = float(found[1][0][0, column]), float(found[1][0][1, column])
+        enough = total >= condition.get("min_requests", 0) and total > 0
+        if condition["kind"] == "latency":
+            share = good / total if total > 0 else None
+            numbers = {"requests": total, "within_threshold": share, "threshold_ms": condition["threshold_ms"],
+                       "quantile": condition["quantile"]}  # fmt: skip
+            return Seen(enough and share is not None and share < condition["quantile"], numbers)
+        ratio = (total - good) / total if total > 0 else None
+        numbers = {"requests": total, "error_ratio": ratio, "threshold": condition["threshold"]}
+        return Seen(enough and ratio is not None and ratio > condition["threshold"], numbers)
+
+
+def selected(labels: dict[str, Any], selector: dict[str, Any]) -> bool:
+    return all(labels.get(k) == v for k, v in (selector.get("labels") or {}).items())
+
+
+def agents_of(selector: dict[str, Any], agents: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
+    return [a for a, labels in agents if selected(labels, selector)]
+
+
+__all__ = ["AgentGauges", "Observer", "Seen", "agents_of", "read_gauges", "selected"]

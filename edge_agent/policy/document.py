@@ -1,0 +1,107 @@
+"""The policy document: one per agent, versioned, written by the control plane and applied by the agent.
+
+Defined once, here, and imported by both sides (the control plane may import the agent's modules; the agent
+never imports the control plane's). Every field is validated on both sides: the control plane cannot publish
+a document the agent would refuse, and an agent refuses a malformed one and keeps its last good policy.
+
+A document says, per model (key `*`: every model the agent serves, overridden field by field by a model's own
+entry), what to change from the model's configuration: batching parameters, the variant (version) to serve,
+which priority levels to shed or answer with a fallback. A field left out (null) means "as configured".
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from itertools import pairwise
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ALL_MODELS = "*"
+FORMAT: Literal[1] = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Fallback(_Strict):
+    """Requests at priority level `at_or_below` (the number) or any larger number get a fallback answer."""
+
+    at_or_below: int = Field(ge=1, le=64)
+    mode: Literal["cache", "default"] = Field(
+        description="cache: the last answer to the same inputs, else refused; default: `default_outputs`"
+    )
+    default_outputs: list[dict[str, Any]] | None = Field(
+        default=None, max_length=64, description="V2 output tensors (name, shape, datatype, data) for mode=default"
+    )
+
+    @model_validator(mode="after")
+    def _default_given(self) -> Fallback:
+        if self.mode == "default" and not self.default_outputs:
+            raise ValueError("fallback mode 'default' needs default_outputs")
+        return self
+
+
+class Shed(_Strict):
+    """Requests at priority level `at_or_below` (the number) or any larger number are refused at admission."""
+
+    at_or_below: int = Field(ge=1, le=64)
+    retry_after_s: int = Field(default=5, ge=1, le=3600)
+
+
+class ModelPolicy(_Strict):
+    variant: int | None = Field(default=None, ge=1, description="serve this version for the model's traffic")
+    max_queue_delay_us: int | None = Field(default=None, ge=0, le=10_000_000)
+    preferred_batch_sizes: list[Annotated[int, Field(gt=0, le=65536)]] | None = Field(default=None, max_length=16)
+    shed: Shed | None = None
+    fallback: Fallback | None = None
+
+    def over(self, base: ModelPolicy) -> ModelPolicy:
+        """This entry's fields where set, `base`'s elsewhere (a model's own entry over `*`)."""
+        mine = self.model_dump(exclude_none=True)
+        return ModelPolicy.model_validate({**base.model_dump(exclude_none=True), **mine})
+
+
+class Cause(_Strict):
+    """Why the document says what it says: one active rule and its action."""
+
+    rule: str
+    name: str
+    action: str
+    model: str = ALL_MODELS
+    since: datetime | None = None
+
+
+class PolicyDocument(_Strict):
+    format: Literal[1] = FORMAT
+    agent: str = Field(min_length=1, max_length=64)
+    version: int = Field(ge=0, description="grows with every change; 0: nothing published yet")
+    models: dict[str, ModelPolicy] = Field(default_factory=dict, max_length=1024)
+    latency_buckets_ms: list[float] | None = Field(
+        default=None, min_length=1, max_length=64, description="the duration histograms' boundaries (OTel views)"
+    )
+    export_interval_s: float | None = Field(default=None, ge=0.5, le=3600)
+    poll_interval_s: float | None = Field(default=None, ge=0.5, le=3600)
+    causes: list[Cause] = Field(default_factory=list, max_length=1024)
+
+    @field_validator("latency_buckets_ms")
+    @classmethod
+    def _increasing(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and (any(b <= 0 for b in value) or any(a >= b for a, b in pairwise(value))):
+            raise ValueError("latency_buckets_ms must be positive and strictly increasing")
+        return value
+
+    def for_model(self, name: str) -> ModelPolicy:
+        """What applies to one model: its own entry over the `*` entry."""
+        base = self.models.get(ALL_MODELS, ModelPolicy())
+        own = self.models.get(name)
+        return base if own is None else own.over(base)
+
+
+def parse(body: bytes | str) -> PolicyDocument:
+    """A document from JSON; raises pydantic's ValidationError (a ValueError) naming what is wrong."""
+    return PolicyDocument.model_validate_json(body)
+
+
+__all__ = ["ALL_MODELS", "Cause", "Fallback", "ModelPolicy", "PolicyDocument", "Shed", "parse"]

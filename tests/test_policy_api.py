@@ -1,0 +1,57 @@
+"""`GET /api/v1/agents/{id}/policy`: strong ETags and 304s for polling agents, each agent its own document only,
+and a new version once the control loop changes what the agent must do."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from controlplane.db.models import utcnow
+from edge_agent.policy.document import PolicyDocument, parse
+from tests.conftest import Api
+from tests.utils.builders import make_agent, make_rule
+from tests.utils.rollups import add_gauge
+
+
+def test_agents_poll_their_own_policy_with_etags(api: Api) -> None:
+    first = api.call("POST", "/api/v1/agents", json=make_agent(name="a1", labels={"site": "berlin"})).json()
+    other = api.call("POST", "/api/v1/agents", json=make_agent(name="a2")).json()
+    me = {"Authorization": f"Bearer {first['token']}"}
+    path = f"/api/v1/agents/{first['agent']['id']}/policy"
+
+    got = api.client.get(path, headers=me)
+    assert got.status_code == 200, got.text
+    etag = got.headers["etag"]
+    assert etag.startswith('"') and not etag.startswith("W/")  # strong
+    document = parse(got.content)  # the agent's own parser accepts it
+    assert (document.agent, document.version, document.models) == (first["agent"]["id"], 1, {})
+    assert document.latency_buckets_ms is not None and 10.0 in document.latency_buckets_ms
+
+    again = api.client.get(path, headers={**me, "If-None-Match": etag})
+    assert (again.status_code, again.content, again.headers["etag"]) == (304, b"", etag)
+    assert api.client.get(path, headers={**me, "If-None-Match": '"stale"'}).status_code == 200
+
+    theirs = api.client.get(f"/api/v1/agents/{other['agent']['id']}/policy", headers=me)
+    assert theirs.status_code == 403 and "only its own" in theirs.json()["message"]
+    assert api.call("GET", path, role="viewer").status_code == 200  # operators may read any agent's
+    assert api.call("GET", "/api/v1/agents/0000000000000000/policy", role="viewer").status_code == 404
+    assert api.client.get(path).status_code == 401
+
+    # A rule fires for this agent: the loop publishes version 2, and the old ETag no longer matches.
+    rule = make_rule(name="hot", selector={"labels": {"site": "berlin"}},
+                     condition={"kind": "gauge", "metric": "queue_depth", "op": ">", "threshold": 5},
+                     action={"kind": "shed", "priority_at_or_below": 2, "retry_after_s": 7}, hysteresis={})  # fmt: skip
+    assert api.call("POST", "/api/v1/rules", json=rule).status_code == 201
+    app = api.client.app
+    with app.state.sessionmaker() as session, session.begin():  # type: ignore[attr-defined]
+        add_gauge(session, first["agent"]["id"], utcnow().replace(second=0, microsecond=0),
+                  "spillway.queue.depth", 9, model="mlp", priority=1)  # fmt: skip
+    report = app.state.control_loop.cycle(utcnow() + timedelta(seconds=1))  # type: ignore[attr-defined]
+    assert report.published[first["agent"]["id"]] == 2
+    rule_id = api.call("GET", "/api/v1/rules", role="viewer").json()["items"][0]["id"]
+    states = api.call("GET", f"/api/v1/rules/{rule_id}/status", role="viewer").json()
+    assert [(s["agent_name"], s["state"], s["observed"]["value"]) for s in states] == [("a1", "firing", 9)]
+    changed = api.client.get(path, headers={**me, "If-None-Match": etag})
+    assert changed.status_code == 200 and changed.headers["etag"] != etag
+    policy = PolicyDocument.model_validate_json(changed.content)
+    assert policy.version == 2 and policy.for_model("mlp").shed is not None
+    assert policy.for_model("mlp").shed.at_or_below == 2 and [c.name for c in policy.causes] == ["hot"]
