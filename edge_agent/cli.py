@@ -21,7 +21,7 @@ def serve(
         bool, typer.Option(help="serve beyond loopback without a token (not recommended)")
     ] = False,
     control_plane: Annotated[
-        str | None, typer.Option(help="control plane URL: OTLP metrics go to <URL>/v1/metrics")
+        str | None, typer.Option(help="control plane URL: metrics go to <URL>/v1/metrics, policies are polled from it")
     ] = None,
     agent_token: Annotated[
         str | None, typer.Option(envvar="SPILLWAY_AGENT_TOKEN", help="this agent's token (or SPILLWAY_AGENT_TOKEN)")
@@ -48,6 +48,7 @@ def serve(
         typer.echo(f"error: invalid agent config: {exc}", err=True)
         raise typer.Exit(2) from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per policy poll; failures log on their own
     from edge_agent.serving.server import build_registry, serve
 
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,23 @@ class AgentConfig(BaseModel):
         description="histogram boundaries; every SLO latency threshold should be one",
     )
 
+    # Policy documents from the control plane (polled when `control_plane` is set) and what they may switch on.
+    policy_poll_interval_s: float = Field(
+        default=5.0, gt=0, le=3600, description="how often to poll for the policy; a document's poll_interval_s wins"
+    )
+    state_dir: Path = Field(
+        default_factory=lambda: default_state_dir(), description="where the last good policy document is cached"
+    )
+    default_versions: dict[str, int] = Field(
+        default_factory=dict, description="model -> the version requests without one get (default: the newest)"
+    )
+    fallback_cache_bytes: int = Field(
+        default=8 << 20, ge=0, description="bytes of recent answers kept for `cache` fallbacks; 0: none"
+    )
+    load_headroom_bytes: int = Field(
+        default=256 << 20, ge=0, description="memory that must stay free when a variant loads beside a version"
+    )
+
     @model_validator(mode="after")
     def _telemetry_needs_a_token(self) -> AgentConfig:
         if self.control_plane is not None and self.agent_token is None:
@@ -91,6 +109,12 @@ class AgentConfig(BaseModel):
             data.update(loaded)
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
+
+
+def default_state_dir() -> Path:
+    """`$XDG_STATE_HOME/spillway`, else `~/.local/state/spillway`."""
+    base = os.environ.get("XDG_STATE_HOME") or "~/.local/state"
+    return Path(base).expanduser() / "spillway"
 
 
 def is_loopback(host: str) -> bool:

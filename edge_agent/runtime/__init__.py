@@ -8,8 +8,15 @@ from __future__ import annotations
 from edge_agent.runtime.config import ModelConfigError, load_model_config
 from edge_agent.runtime.demo_models import DEMO_VARIANTS, DemoVariant, build_demo_repository
 from edge_agent.runtime.gpu import GpuMemoryError, check_fits, free_gpu_memory
+from edge_agent.runtime.memory import HostMemoryError, available_host_memory, check_load_fits
 from edge_agent.runtime.profile import ComputeProfile, warmup_batch_sizes
-from edge_agent.runtime.repository import Repository, UnknownModelError, load_model, load_repository
+from edge_agent.runtime.repository import (
+    Repository,
+    UnknownModelError,
+    load_model,
+    load_repository,
+    version_on_disk,
+)
 from edge_agent.runtime.runner import NUMPY_DTYPES, OrtRunner, RunnerError, choose_providers
 from edge_agent.runtime.spec import (
     V2_DATATYPES,
@@ -29,6 +36,7 @@ __all__ = [
     "DemoVariant",
     "DynamicBatching",
     "GpuMemoryError",
+    "HostMemoryError",
     "ModelConfig",
     "ModelConfigError",
     "ModelVersion",
@@ -39,12 +47,15 @@ __all__ = [
     "TensorSpec",
     "UnknownModelError",
     "VersionPolicy",
+    "available_host_memory",
     "build_demo_repository",
     "check_fits",
+    "check_load_fits",
     "choose_providers",
     "free_gpu_memory",
     "load_model",
     "load_model_config",
     "load_repository",
+    "version_on_disk",
     "warmup_batch_sizes",
 ]

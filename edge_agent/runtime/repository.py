@@ -94,6 +94,25 @@ def load_model(model_dir: Path) -> tuple[ModelVersion, ...]:
     return versions
 
 
+def version_on_disk(root: Path, config: ModelConfig, version: int) -> ModelVersion:
+    """Any version of a loaded model that its directory holds, served by the version policy or not (a variant).
+
+    Uses the config the model was loaded with. Raises UnknownModelError when the directory or its model file is
+    missing; the graph is checked separately (`check_onnx_graph`), when the version is loaded.
+    """
+    model_dir = root / config.name
+    version_dir = model_dir / str(version)
+    if not version_dir.is_dir():
+        entries = list(model_dir.iterdir()) if model_dir.is_dir() else []
+        on_disk = sorted(int(e.name) for e in entries if e.is_dir() and _VERSION_DIR.fullmatch(e.name))
+        raise UnknownModelError(f"model {config.name!r} has no version {version} in {root} (it has: {on_disk})")
+    try:
+        path = _model_file(config, version_dir)
+    except ModelConfigError as exc:
+        raise UnknownModelError(str(exc)) from None
+    return ModelVersion(config, version, path)
+
+
 def _select(policy: VersionPolicy, available: list[int], source: Path) -> list[int]:
     if policy.kind == "all":
         return available

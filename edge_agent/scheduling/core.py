@@ -21,7 +21,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 
@@ -115,6 +115,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, predictor: Predictor) -> None:
         self.config = config
+        self.base_config = config  # as the model's configuration says; `retune` changes `config` relative to it
         self.predictor = predictor
         self._levels = [_Level(p) for p in config.levels]
         self._queued = 0
@@ -323,6 +324,21 @@ class Scheduler:
         batch = Batch(next(self._batch_ids), tuple(chosen), rows, now, self.predictor.predict(rows))
         self._running[batch.id] = batch
         return batch
+
+    def retune(
+        self, *, max_queue_delay_s: float | None = None, preferred_batch_sizes: tuple[int, ...] | None = None
+    ) -> None:
+        """Change the batching parameters live; None puts one back to the configured value. Queued requests stay,
+        and the next `step` decides with the new values."""
+        base = self.base_config
+        self.config = replace(
+            base,
+            max_queue_delay_s=base.max_queue_delay_s if max_queue_delay_s is None else max_queue_delay_s,
+            preferred_batch_sizes=base.preferred_batch_sizes
+            if preferred_batch_sizes is None
+            else preferred_batch_sizes,
+        )
+        self._preferred = frozenset(p for p in self.config.preferred_batch_sizes if p <= self.config.max_batch_size)
 
     # ---- lifecycle and introspection ---------------------------------------------------------
 

@@ -209,6 +209,12 @@ class ModelWorker:
                 job.future.set_result(Served(result.outputs[i], queue_s, result.compute_s, batch.rows))
         self._pump()
 
+    def retune(self, *, max_queue_delay_s: float | None, preferred_batch_sizes: tuple[int, ...] | None) -> None:
+        """New batching parameters (None: as configured), effective at once: a window that is now over ends."""
+        self.scheduler.retune(max_queue_delay_s=max_queue_delay_s, preferred_batch_sizes=preferred_batch_sizes)
+        if self._loop is not None and not self.scheduler.idle:
+            self._pump()
+
     async def drain(self) -> None:
         """Stop admitting, then return once everything queued or running has been answered."""
         self.scheduler.drain()

@@ -8,14 +8,19 @@ import hmac
 import json
 import logging
 from collections import Counter
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 from edge_agent import __version__
+from edge_agent.overflow.fallback import ResponseCache, default_answer, inputs_key
 from edge_agent.runtime.repository import UnknownModelError
 from edge_agent.runtime.spec import ModelConfig
 from edge_agent.scheduling.worker import ExecutionFailed, Refused
-from edge_agent.serving.models import ModelRegistry
+from edge_agent.serving.models import LoadedModel, ModelRegistry
 from edge_agent.serving.tensors import (
+    DecodedRequest,
     RequestedOutput,
     TensorError,
     decode_request,
@@ -23,6 +28,9 @@ from edge_agent.serving.tensors import (
     encode_response,
     validate_inputs,
 )
+
+if TYPE_CHECKING:
+    from edge_agent.policy.plan import ModelPlan
 
 log = logging.getLogger("spillway.agent")
 Scope = dict[str, Any]
@@ -32,6 +40,16 @@ Send = Any
 _UNAUTHENTICATED = {"/v2/health/live"}
 _INLINE_BYTES = 256 << 10  # bodies up to this size are decoded on the event loop (tens of microseconds)
 _INLINE_ELEMENTS = 64 << 10  # outputs up to this many elements are encoded on the event loop
+
+
+# A request refused because its fallback found no cached answer is told to come back after this long.
+FALLBACK_MISS_RETRY_AFTER_S = 5
+
+
+class PolicyGate(Protocol):
+    """What admission asks the active policy (the agent's PolicyApplier)."""
+
+    def plan_for(self, name: str) -> ModelPlan | None: ...
 
 
 class BodyTooLarge(Exception):
@@ -52,13 +70,27 @@ class InferenceApp:
         token: str | None = None,
         max_body_bytes: int = 64 << 20,
         allow_non_finite: bool = True,
+        policy: PolicyGate | None = None,
+        responses: ResponseCache | None = None,
+        status: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """Args beyond the obvious:
+        policy: shed, fallback and variant decisions per model (None: serve everything as configured).
+        responses: recent successful answers, filled on every success and read by `cache` fallbacks.
+        status: the body of `GET /v2/spillway/status`.
+        """
         self.registry = registry
         self.token = token.encode() if token else None
         self.max_body_bytes = max_body_bytes
         self.allow_non_finite = allow_non_finite
+        self.policy = policy
+        self.responses = responses if responses is not None and responses.enabled else None
+        self.status = status
         self.ready = True
         self.unrouted: Counter[str] = Counter()  # infer requests for models that do not exist
+        # Run at lifespan startup (before the first request: the cached policy, the poller) and shutdown.
+        self.on_startup: list[Callable[[], Awaitable[None]]] = []
+        self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -104,8 +136,20 @@ class InferenceApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                try:
+                    for hook in self.on_startup:
+                        await hook()
+                except Exception as exc:
+                    log.exception("agent startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                for hook in self.on_shutdown:
+                    try:
+                        await hook()
+                    except Exception:  # one failing hook must not keep the others from running
+                        log.exception("agent shutdown step failed")
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -121,6 +165,8 @@ class InferenceApp:
             await _respond_json(send, 200, {"live": True})
         elif parts == ["v2", "health", "ready"]:
             await _respond_json(send, 200 if self.ready else 503, {"ready": self.ready})
+        elif parts == ["v2", "spillway", "status"] and self.status is not None:
+            await _respond_json(send, 200, self.status())
         elif parts == ["v2", "models", "stats"]:
             stats = [m.worker.stats.json(m.config.name, str(m.version)) for m in self.registry.all()]
             await _respond_json(send, 200, {"model_stats": stats})
@@ -133,6 +179,11 @@ class InferenceApp:
                 ready = self.ready and not model.worker.scheduler.draining
                 await _respond_json(send, 200 if ready else 503, {"name": name, "ready": ready})
             elif rest == ["stats"]:
+                if version:  # the statistics of that very version, wherever its traffic goes now
+                    found = self.registry.loaded(name, _version_number(name, version))
+                    if found is None:
+                        raise UnknownModelError(f"unknown version '{version}' of model '{name}'")
+                    model = found
                 models = [model] if version else [m for m in self.registry.all() if m.config.name == name]
                 stats = [m.worker.stats.json(m.config.name, str(m.version)) for m in models]
                 await _respond_json(send, 200, {"model_stats": stats})
@@ -197,43 +248,119 @@ class InferenceApp:
             stats.outcome(0, "rejected")
             await _reject(send, 400, str(exc), "invalid_request")
             return
+        # From here to the worker's admission nothing awaits: the route, the policy's verdict and the admission are
+        # one step on the event loop, so a variant switch never admits a request to a version on its way out.
         try:
-            served = await model.worker.infer({i.name: i.array for i in request.inputs}, rows, priority, timeout_s)
+            model, redirected = self.registry.route(name, version)
+        except UnknownModelError as exc:  # the version was unloaded while the body arrived
+            stats.outcome(0, "rejected")
+            await _reject(send, 404, str(exc), "unknown_model")
+            return
+        stats = model.worker.stats
+        extra = [(b"spillway-variant", str(model.version).encode())] if redirected else []
+        inputs = {i.name: i.array for i in request.inputs}
+        plan = self.policy.plan_for(config.name) if self.policy is not None else None
+        if plan is not None:
+            level = model.worker.scheduler.resolve_level(priority)
+            verdict = plan.admission(level)
+            if verdict == "shed":
+                assert plan.shed is not None
+                stats.outcome(level, "rejected")
+                retry = str(plan.shed.retry_after_s).encode()
+                message = f"priority {level} is shed for now (levels {plan.shed.at_or_below} and below)"
+                await _reject(send, 503, message, "shed", extra=[(b"retry-after", retry), *extra])
+                return
+            if verdict == "fallback":
+                await self._fallback(send, request, inputs, rows, model, level, plan, extra)
+                return
+        try:
+            served = await model.worker.infer(inputs, rows, priority, timeout_s)
         except ValueError as exc:  # a priority the model cannot take
             stats.outcome(0, "rejected")
             await _reject(send, 400, str(exc), "invalid_request")
             return
         except Refused as exc:
             retry = str(max(1, round(exc.rejection.retry_after_s))).encode()
-            await _reject(send, 503, str(exc), exc.rejection.reason, extra=[(b"retry-after", retry)])
+            await _reject(send, 503, str(exc), exc.rejection.reason, extra=[(b"retry-after", retry), *extra])
             return
         except ExecutionFailed as exc:
-            await _respond(send, 500, encode_error(str(exc)), extra=[(b"spillway-outcome", b"error")])
+            await _respond(send, 500, encode_error(str(exc)), extra=[(b"spillway-outcome", b"error"), *extra])
             return
+        if self.responses is not None and sum(a.nbytes for a in inputs.values()) <= self.responses.capacity_bytes:
+            self.responses.put(inputs_key(config.name, model.version, inputs), served.outputs)
+        big = sum(a.size for a in served.outputs.values()) > _INLINE_ELEMENTS
+        await self._answer(send, path, request, model, served.outputs, [(b"spillway-outcome", b"local"), *extra],
+                           offload=big)  # fmt: skip
+
+    async def _fallback(
+        self,
+        send: Send,
+        request: DecodedRequest,
+        inputs: dict[str, np.ndarray],
+        rows: int,
+        model: LoadedModel,
+        level: int,
+        plan: ModelPlan,
+        extra: list[tuple[bytes, bytes]],
+    ) -> None:
+        """Answer without running the model, saying so: the cached answer to these inputs, or the default outputs."""
+        assert plan.fallback is not None
+        stats = model.worker.stats
+        config = model.config
+        if plan.fallback.mode == "cache":
+            key = inputs_key(config.name, model.version, inputs)
+            found = self.responses.get(key) if self.responses is not None else None
+            if found is None:
+                stats.outcome(level, "rejected")
+                retry = str(FALLBACK_MISS_RETRY_AFTER_S).encode()
+                message = f"priority {level} is answered from the cache for now, and it holds no answer to these inputs"
+                await _reject(send, 503, message, "fallback_miss", extra=[(b"retry-after", retry), *extra])
+                return
+            outputs = found
+        else:
+            assert plan.default_outputs is not None
+            outputs = default_answer(plan.default_outputs, rows, config.max_batch_size > 0)
+        outcome = f"fallback_{plan.fallback.mode}"
+        headers = [(b"spillway-outcome", outcome.encode()), *extra]
+        parameters = {"spillway_fallback": plan.fallback.mode}
+        if await self._answer(send, "fallback", request, model, outputs, headers, parameters=parameters):
+            stats.outcome(level, outcome)
+
+    async def _answer(
+        self,
+        send: Send,
+        what: str,
+        request: DecodedRequest,
+        model: LoadedModel,
+        outputs: dict[str, np.ndarray],
+        extra: list[tuple[bytes, bytes]],
+        *,
+        parameters: dict[str, Any] | None = None,
+        offload: bool = False,
+    ) -> bool:
+        """Encode and send a 200 with `outputs`; a failure to encode is a 500 (our bug), never a trace. True if sent."""
+        config = model.config
 
         def encode() -> tuple[bytes, int | None]:
             return encode_response(
                 model_name=config.name, model_version=str(model.version), request_id=request.id,
-                outputs=served.outputs, specs=config.outputs, requested=request.outputs,
-                binary_default=request.binary_output_default,
+                outputs=outputs, specs=config.outputs, requested=request.outputs,
+                binary_default=request.binary_output_default, parameters=parameters,
             )  # fmt: skip
 
         try:
-            if sum(a.size for a in served.outputs.values()) > _INLINE_ELEMENTS:
-                payload, json_length = await asyncio.to_thread(encode)  # a big answer: off the event loop
-            else:
-                payload, json_length = encode()
+            payload, json_length = await asyncio.to_thread(encode) if offload else encode()
         except Exception:  # a bug of ours (e.g. a runner output the config does not declare): never a trace
-            log.exception("encoding the response of %s failed", path)
+            log.exception("encoding the response of %s failed", what)
             await _respond(send, 500, encode_error("internal error; see the agent log"),
                            extra=[(b"spillway-outcome", b"error")])  # fmt: skip
-            return
-        extra = [(b"spillway-outcome", b"local")]
+            return False
         if json_length is None:
             await _respond(send, 200, payload, extra=extra)
         else:
-            extra.append((b"inference-header-content-length", str(json_length).encode()))
+            extra = [*extra, (b"inference-header-content-length", str(json_length).encode())]
             await _respond(send, 200, payload, content_type=b"application/octet-stream", extra=extra)
+        return True
 
     async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
         declared = headers.get(b"content-length")
@@ -278,6 +405,13 @@ def _model_path(parts: list[str]) -> tuple[str, str | None, list[str]]:
     if len(parts) >= 3 and parts[1] == "versions":
         return name, parts[2], parts[3:]
     return name, None, parts[1:]
+
+
+def _version_number(name: str, version: str) -> int:
+    try:
+        return int(version)
+    except ValueError:
+        raise UnknownModelError(f"unknown version '{version}' of model '{name}'") from None
 
 
 def _header_length(headers: dict[bytes, bytes]) -> int | None:

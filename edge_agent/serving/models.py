@@ -1,4 +1,5 @@
-"""The models the agent serves: each loaded version with its worker, looked up by name and version."""
+"""The models the agent serves: each loaded version with its worker, looked up by name and version, and the route
+a request takes when a policy serves a variant in place of a model's default version."""
 
 from __future__ import annotations
 
@@ -22,26 +23,100 @@ class LoadedModel:
 
 
 class ModelRegistry:
-    """Name -> versions; without a version a request goes to the newest loaded one."""
+    """Name -> loaded versions, each model's default version, and the variant that replaces it (if any).
 
-    def __init__(self, models: list[LoadedModel]) -> None:
+    A request without a version goes to the model's default version (`defaults`, else the newest loaded one, as in
+    Triton). While a variant is set, requests without a version and requests for the default version go to the
+    variant instead; requests naming any other version get that version. Changes happen on the event loop, so a
+    request resolved and admitted in one step never sees half a change.
+    """
+
+    def __init__(self, models: list[LoadedModel], defaults: dict[str, int] | None = None) -> None:
         self._by_name: dict[str, dict[int, LoadedModel]] = {}
         for model in models:
             self._by_name.setdefault(model.config.name, {})[model.version] = model
+        self._default: dict[str, int] = {name: max(versions) for name, versions in self._by_name.items()}
+        for name, version in (defaults or {}).items():
+            if version not in self._by_name.get(name, {}):
+                served = sorted(self._by_name.get(name, {}))
+                raise UnknownModelError(f"default version {version} of model {name!r} is not served (served: {served})")
+            self._default[name] = version
+        self._variant: dict[str, int] = {}
+        self.retiring: list[LoadedModel] = []  # taken out of routing; answering what they had queued
 
     def get(self, name: str, version: str | None = None) -> LoadedModel:
+        """The loaded model a request for `name` (and `version`) is served by."""
+        return self.route(name, version)[0]
+
+    def route(self, name: str, version: str | None = None) -> tuple[LoadedModel, bool]:
+        """The loaded model that serves a request for `name` (and `version`), and whether a variant redirected it."""
+        default = self._default.get(name)
         versions = self._by_name.get(name)
-        if not versions:
+        if default is None or not versions:
             raise UnknownModelError(f"unknown model '{name}'")
+        variant = self._variant.get(name)
         if version is None or version == "":
-            return versions[max(versions)]
-        try:
-            return versions[int(version)]
-        except (ValueError, KeyError):
-            raise UnknownModelError(f"unknown version '{version}' of model '{name}'") from None
+            wanted = default
+        else:
+            try:
+                wanted = int(version)
+            except ValueError:
+                raise UnknownModelError(f"unknown version '{version}' of model '{name}'") from None
+        redirected = variant is not None and wanted == default and variant != default
+        found = versions.get(variant if redirected and variant is not None else wanted)
+        if found is None:
+            raise UnknownModelError(f"unknown version '{version}' of model '{name}'")
+        return found, redirected
+
+    def loaded(self, name: str, version: int) -> LoadedModel | None:
+        """The loaded version itself, without routing (None when it is not loaded)."""
+        return self._by_name.get(name, {}).get(version)
+
+    def of(self, name: str) -> list[LoadedModel]:
+        """The loaded versions of one model, oldest first."""
+        return [m for _, m in sorted(self._by_name.get(name, {}).items())]
 
     def versions(self, name: str) -> list[int]:
         return sorted(self._by_name.get(name, {}))
 
+    def names(self) -> list[str]:
+        return sorted(self._default)
+
+    def default_version(self, name: str) -> int:
+        return self._default[name]
+
+    def variant(self, name: str) -> int | None:
+        return self._variant.get(name)
+
     def all(self) -> list[LoadedModel]:
         return [m for versions in self._by_name.values() for _, m in sorted(versions.items())]
+
+    def workers(self) -> list[ModelWorker]:
+        """Every worker that may still hold requests: the routable ones and those retiring."""
+        return [m.worker for m in self.all()] + [m.worker for m in self.retiring]
+
+    # ---- changes (on the event loop) ---------------------------------------------------------
+
+    def add(self, model: LoadedModel) -> None:
+        versions = self._by_name.setdefault(model.config.name, {})
+        if model.version in versions:
+            raise ValueError(f"{model.config.name} v{model.version} is already loaded")
+        versions[model.version] = model
+
+    def set_variant(self, name: str, version: int | None) -> None:
+        """Serve `version` in place of the default version (None: the default again); it must be loaded."""
+        if version is None or version == self._default.get(name):
+            self._variant.pop(name, None)
+            return
+        if version not in self._by_name.get(name, {}):
+            raise ValueError(f"{name} v{version} is not loaded")
+        self._variant[name] = version
+
+    def retire(self, name: str, version: int) -> LoadedModel:
+        """Take a version out of routing; it stays in `retiring` until `retired` once its queue is empty."""
+        model = self._by_name[name].pop(version)
+        self.retiring.append(model)
+        return model
+
+    def retired(self, model: LoadedModel) -> None:
+        self.retiring.remove(model)

@@ -1,18 +1,25 @@
-"""Start the agent: load the repository, warm every model up, serve the V2 API, drain on SIGTERM."""
+"""Start the agent: load the repository, warm every model up, apply the cached policy, serve the V2 API while
+polling the control plane for policy changes, drain on SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-from collections.abc import Iterable
+import socket
+from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from edge_agent.config import AgentConfig
-from edge_agent.runtime.repository import load_repository
+from edge_agent.overflow.fallback import ResponseCache
+from edge_agent.policy.apply import PolicyApplier
+from edge_agent.policy.cache import PolicyCache
+from edge_agent.policy.plan import ServedModel
+from edge_agent.runtime.config import ModelConfigError
+from edge_agent.runtime.repository import UnknownModelError, check_onnx_graph, load_repository
 from edge_agent.runtime.spec import ModelConfig, ModelVersion
 from edge_agent.scheduling.core import LevelPolicy, Scheduler, SchedulerConfig
 from edge_agent.scheduling.worker import ModelWorker
@@ -20,7 +27,8 @@ from edge_agent.serving.app import InferenceApp
 from edge_agent.serving.models import LoadedModel, ModelRegistry
 
 if TYPE_CHECKING:
-    from edge_agent.telemetry import AgentTelemetry
+    from edge_agent.policy.client import PolicyPoller
+    from edge_agent.telemetry import LiveTelemetry
 
 log = logging.getLogger("spillway.agent")
 
@@ -83,8 +91,133 @@ def load_model(version: ModelVersion, agent: AgentConfig) -> LoadedModel:
 
 
 def build_registry(agent: AgentConfig) -> ModelRegistry:
+    """Load every served version; `default_versions` that name no served version are refused at start."""
     repository = load_repository(agent.model_repository)
-    return ModelRegistry([load_model(version, agent) for version in repository])
+    unknown = sorted(set(agent.default_versions) - set(repository.models))
+    if unknown:
+        raise ModelConfigError(f"agent config default_versions: no model(s) {unknown} in {agent.model_repository}")
+    models = [load_model(version, agent) for version in repository]
+    try:
+        return ModelRegistry(models, defaults=agent.default_versions)
+    except UnknownModelError as exc:
+        for model in models:
+            model.worker.close()
+        raise ModelConfigError(f"agent config default_versions: {exc}") from None
+
+
+def load_variant(version: ModelVersion, agent: AgentConfig) -> LoadedModel:
+    """Load a version a policy asks for, which the start-up checks may not have seen: check its graph first."""
+    if version.path.name == "model.onnx":
+        check_onnx_graph(version.config, version.path)
+    return load_model(version, agent)
+
+
+def check_variant_fits(version: ModelVersion, agent: AgentConfig) -> None:
+    """Refuse (GpuMemoryError, HostMemoryError) a version that would not fit beside the loaded ones."""
+    import onnxruntime as ort
+
+    from edge_agent.runtime.memory import check_load_fits
+    from edge_agent.runtime.runner import choose_providers
+
+    providers = choose_providers(ort.get_available_providers(), agent.providers)
+    check_load_fits(version, providers, device_id=agent.device_id, headroom=agent.load_headroom_bytes)
+
+
+@dataclass
+class Agent:
+    """The serving app and everything that changes it while it serves."""
+
+    config: AgentConfig
+    registry: ModelRegistry
+    app: InferenceApp
+    applier: PolicyApplier
+    responses: ResponseCache
+    telemetry: LiveTelemetry | None
+    poller: PolicyPoller | None
+
+    def status(self) -> dict[str, Any]:
+        """The body of `GET /v2/spillway/status`."""
+        return {
+            "agent_id": self.config.agent_id or socket.gethostname(),
+            "ready": self.app.ready,
+            **self.applier.json(),
+            "poll": None if self.poller is None else self.poller.json(),
+            "fallback_cache": self.responses.json(),
+            "telemetry": None if self.telemetry is None else self.telemetry.json(),
+        }
+
+    async def start(self) -> None:
+        """Before the first request: the cached policy (when a control plane is configured), then the poller."""
+        if self.poller is not None:
+            try:
+                await self.applier.apply_cached()
+            except Exception:  # a bug of ours must not keep the agent from serving with its local configuration
+                log.exception("applying the cached policy failed; serving with the local configuration")
+            self.poller.start()
+
+    async def stop(self) -> None:
+        if self.poller is not None:
+            await self.poller.stop()
+        await self.applier.close()
+
+    def close(self) -> None:
+        """After serving: stop every worker and flush telemetry."""
+        for worker in self.registry.workers():
+            worker.close()
+        if self.telemetry is not None:
+            self.telemetry.shutdown()
+
+
+def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
+    """Wire the app, the policy applier, the fallback cache, telemetry and (with a control plane) the poller."""
+    served = {
+        name: ServedModel(
+            config=registry.of(name)[0].config,
+            default_version=registry.default_version(name),
+            configured_versions=tuple(registry.versions(name)),
+            repository=config.model_repository,
+        )
+        for name in registry.names()
+    }
+    agent_id = config.agent_id or socket.gethostname()
+    polling = config.control_plane is not None and config.agent_token is not None
+    applier = PolicyApplier(
+        registry,
+        served,
+        load=lambda version: load_variant(version, config),
+        check_fits=lambda version: check_variant_fits(version, config),
+        cache=PolicyCache(config.state_dir, agent_id) if polling else None,
+        agent_id=agent_id,
+    )
+    telemetry = None
+    settings = config.telemetry()
+    if settings is not None:
+        from edge_agent.telemetry import LiveTelemetry
+
+        telemetry = LiveTelemetry(settings, registry, policy=lambda: (applier.plan.version or 0, applier.plan.source))
+        applier.telemetry = telemetry
+        log.info("exporting metrics every %.0f s as agent %s", settings.export_interval_s, settings.agent_id)
+    poller = None
+    if polling:
+        from edge_agent.policy.client import PolicyPoller
+
+        assert config.control_plane is not None and config.agent_token is not None
+        poller = PolicyPoller(config.control_plane, agent_id, config.agent_token.get_secret_value(), applier,
+                              interval_s=config.policy_poll_interval_s)  # fmt: skip
+    responses = ResponseCache(config.fallback_cache_bytes)
+    app = InferenceApp(
+        registry,
+        token=config.token.get_secret_value() if config.token else None,
+        max_body_bytes=config.max_body_bytes,
+        allow_non_finite=config.allow_non_finite,
+        policy=applier,
+        responses=responses,
+    )
+    agent = Agent(config, registry, app, applier, responses, telemetry, poller)
+    app.status = agent.status
+    app.on_startup.append(agent.start)
+    app.on_shutdown.append(agent.stop)
+    return agent
 
 
 DRAIN_LINGER_S = 0.5
@@ -93,9 +226,11 @@ DRAIN_LINGER_S = 0.5
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT: stop admitting (new requests get 503 `draining`), answer everything queued, then exit."""
 
-    def __init__(self, config: uvicorn.Config, app: InferenceApp, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: InferenceApp, drain_timeout_s: float,
+                 applier: PolicyApplier | None = None) -> None:  # fmt: skip
         super().__init__(config)
         self.inference = app
+        self.applier = applier
         self.drain_timeout_s = drain_timeout_s
         self._draining: asyncio.Task[None] | None = None
 
@@ -108,7 +243,9 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         self.inference.ready = False
-        workers = [m.worker for m in self.inference.registry.all()]
+        if self.applier is not None:
+            self.applier.closing = True  # no variant is loaded or switched to while draining
+        workers = self.inference.registry.workers()  # retiring versions too: they still answer their queues
         try:
             await asyncio.wait_for(asyncio.gather(*(w.drain() for w in workers)), self.drain_timeout_s)
             log.info("drained: every queued request was answered")
@@ -120,47 +257,12 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(agent: AgentConfig, *, registry: ModelRegistry | None = None, log_level: str = "info") -> None:
-    registry = registry or build_registry(agent)
-    app = InferenceApp(
-        registry,
-        token=agent.token.get_secret_value() if agent.token else None,
-        max_body_bytes=agent.max_body_bytes,
-        allow_non_finite=agent.allow_non_finite,
-    )
-    options: dict[str, Any] = {"host": agent.host, "port": agent.port, "log_level": log_level,
+def serve(config: AgentConfig, *, registry: ModelRegistry | None = None, log_level: str = "info") -> None:
+    agent = build_agent(config, registry or build_registry(config))
+    options: dict[str, Any] = {"host": config.host, "port": config.port, "log_level": log_level,
                                "access_log": False, "server_header": False, "lifespan": "on"}  # fmt: skip
-    server = DrainingServer(uvicorn.Config(app, **options), app, agent.drain_timeout_s)
-    telemetry = start_telemetry(agent, registry)
+    server = DrainingServer(uvicorn.Config(agent.app, **options), agent.app, config.drain_timeout_s, agent.applier)
     try:
         server.run()
     finally:
-        for model in registry.all():
-            model.worker.close()
-        if telemetry is not None:
-            telemetry.shutdown()
-
-
-def start_telemetry(agent: AgentConfig, registry: ModelRegistry) -> AgentTelemetry | None:
-    """Hook every model's statistics to the OpenTelemetry instruments, if metrics have somewhere to go."""
-    settings = agent.telemetry()
-    if settings is None:
-        return None
-    from edge_agent.telemetry import AgentTelemetry
-
-    telemetry = AgentTelemetry(settings)
-    attach_telemetry(telemetry, registry)
-    log.info("exporting metrics every %.0f s as agent %s", settings.export_interval_s, settings.agent_id)
-    return telemetry
-
-
-def attach_telemetry(telemetry: AgentTelemetry, registry: ModelRegistry) -> None:
-    for model in registry.all():
-        model.worker.stats.listener = telemetry.recorder(model.config.name, model.version)
-
-    def depths() -> Iterable[tuple[dict[str, Any], int]]:
-        for model in registry.all():
-            for level, depth in enumerate(model.worker.scheduler.depth(), 1):
-                yield {"model": model.config.name, "model.version": str(model.version), "priority": level}, depth
-
-    telemetry.watch_queue(depths)
+        agent.close()

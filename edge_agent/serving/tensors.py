@@ -37,6 +37,7 @@ __all__ = [
     "InferInput",
     "RequestedOutput",
     "TensorError",
+    "decode_json_tensor",
     "decode_request",
     "encode_error",
     "encode_response",
@@ -181,8 +182,8 @@ def _brief(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _input_label(name: str) -> str:
-    return f"input {name!r}" if len(name) <= 60 else f"input {_brief(name)}"
+def _input_label(name: str, kind: str = "input") -> str:
+    return f"{kind} {name!r}" if len(name) <= 60 else f"{kind} {_brief(name)}"
 
 
 def decode_request(body: bytes, header_length: int | None, *, max_elements: int = 1 << 26) -> DecodedRequest:
@@ -256,14 +257,21 @@ def decode_request(body: bytes, header_length: int | None, *, max_elements: int 
     )
 
 
-def _decode_input(raw: Any, index: int, body: bytes, offset: int, max_elements: int) -> tuple[InferInput, int]:
+def decode_json_tensor(raw: Any, index: int, *, kind: str = "output", max_elements: int = 1 << 20) -> InferInput:
+    """One tensor written out in JSON (`name`, `datatype`, `shape`, `data`), such as a policy's default output."""
+    return _decode_input(raw, index, b"", 0, max_elements, kind=kind)[0]
+
+
+def _decode_input(
+    raw: Any, index: int, body: bytes, offset: int, max_elements: int, *, kind: str = "input"
+) -> tuple[InferInput, int]:
     """Decode `inputs[index]`; binary data starts at `offset` in the body. Returns the input and the next offset."""
     if not isinstance(raw, dict):
-        raise TensorError(f"request body: inputs[{index}] must be an object")
+        raise TensorError(f"request body: {kind}s[{index}] must be an object")
     name = raw.get("name")
     if not isinstance(name, str) or not name:
-        raise TensorError(f"request body: inputs[{index}] needs a 'name' string")
-    label = _input_label(name)
+        raise TensorError(f"request body: {kind}s[{index}] needs a 'name' string")
+    label = _input_label(name, kind)
     datatype = raw.get("datatype")
     if not isinstance(datatype, str) or datatype not in V2_DATATYPES:
         raise TensorError(f"{label}: unknown datatype {_brief(datatype)} (known: {', '.join(V2_DATATYPES)})")

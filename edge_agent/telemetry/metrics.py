@@ -98,6 +98,12 @@ class AgentTelemetry:
         self._queue_sources: list[Callable[[], Iterable[tuple[dict[str, Any], int]]]] = []
         meter.create_observable_gauge("spillway.queue.depth", callbacks=[self._observe_queues], unit="{request}",
                                       description="requests queued, per model and priority")  # fmt: skip
+        self.policy_refusals = meter.create_counter(
+            "spillway.policy.refusals", unit="{document}", description="policy documents refused (invalid or unfit)"
+        )
+        self._policy_source: Callable[[], tuple[int, str]] | None = None
+        meter.create_observable_gauge("spillway.policy.version", callbacks=[self._observe_policy], unit="1",
+                                      description="version of the active policy document (0: none)")  # fmt: skip
         if probes:
             register_probes(meter)
         self._closed = False
@@ -113,6 +119,15 @@ class AgentTelemetry:
         for source in self._queue_sources:
             for attributes, depth in source():
                 yield Observation(depth, attributes)
+
+    def watch_policy(self, source: Callable[[], tuple[int, str]]) -> None:
+        """`source()` gives the active policy's (version, source) when the gauge is read."""
+        self._policy_source = source
+
+    def _observe_policy(self, _options: CallbackOptions) -> Iterable[Observation]:
+        if self._policy_source is not None:
+            version, source = self._policy_source()
+            yield Observation(version, {"policy.source": source})
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Flush once and stop; bounded, and safe to call twice."""

@@ -38,6 +38,8 @@ def start_agent(repo: Path, workdir: Path, **settings: Any) -> RunningAgent:
     """`spillway agent serve` as its own process (as in production: no GIL shared with the test's clients)."""
     port = free_port()
     config = workdir / f"agent-{port}.yaml"
+    # Each agent caches policies in its own state directory unless the test shares one (a restart).
+    settings = {"state_dir": str(workdir / f"state-{port}"), **settings}
     config.write_text(yaml.safe_dump({"model_repository": str(repo), "port": port, **settings}))
     log = workdir / f"agent-{port}.log"
     with log.open("wb") as out:

@@ -76,7 +76,8 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(agent: Runni
 
     def call(x: np.ndarray) -> np.ndarray:
         with httpx.Client(base_url=agent.url, timeout=30) as c:
-            r = c.post("/v2/models/mlp/versions/1/infer", json=infer_json(x))
+            # Priority 3 (1 s default deadline, not 100 ms): this is about batching, not about a busy CI machine.
+            r = c.post("/v2/models/mlp/versions/1/infer", json=infer_json(x, priority=3))
             assert r.status_code == 200, r.text
             return np.asarray(r.json()["outputs"][0]["data"], np.float32).reshape(1, 1000)
 
@@ -201,7 +202,7 @@ def test_garbage_interleaved_with_valid_load_hurts_nobody(agent: RunningAgent, d
 
     def valid(i: int) -> None:
         with httpx.Client(base_url=agent.url, timeout=30) as c:
-            r = c.post("/v2/models/mlp/versions/2/infer", json=infer_json(xs[i]))
+            r = c.post("/v2/models/mlp/versions/2/infer", json=infer_json(xs[i], priority=3))  # 1 s deadline
             out = np.asarray(r.json()["outputs"][0]["data"], np.float32) if r.status_code == 200 else None
             if out is None or not np.allclose(out, expected[i], atol=1e-5):
                 with lock:

@@ -391,3 +391,29 @@ def test_gpu_probe_never_raises_and_checks_nothing_it_cannot_measure() -> None:
         assert check_fits(1) == pytest.approx(free, rel=0.1)
         with pytest.raises(RuntimeError, match="MiB"):
             check_fits(free * 2)
+
+
+def test_a_version_beside_the_running_one_is_checked_against_available_host_memory(
+    demo_repo: Path, tmp_path: Path
+) -> None:
+    from edge_agent.runtime import HostMemoryError, available_host_memory, check_load_fits, version_on_disk
+
+    lite = load_repository(demo_repo).get("mlp", 2)
+    size = (demo_repo / "mlp" / "2" / "model.onnx").stat().st_size
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       8000000 kB\nMemFree:         100000 kB\nMemAvailable:    300000 kB\n")
+    assert available_host_memory(meminfo) == 300000 * 1024
+    # 1.5 x the files plus the headroom must be available: just enough passes, a byte more is refused.
+    fits = 300000 * 1024 - int(size * 1.5)
+    assert check_load_fits(lite, ["CPUExecutionProvider"], headroom=fits, meminfo=meminfo) == "host"
+    with pytest.raises(HostMemoryError, match=r"mlp v2 needs about .* only 293 MiB of host memory are available"):
+        check_load_fits(lite, ["CPUExecutionProvider"], headroom=fits + 1, meminfo=meminfo)
+    assert available_host_memory(tmp_path / "absent") is None  # not Linux: nothing is refused
+    assert check_load_fits(lite, ["CPUExecutionProvider"], headroom=1 << 60, meminfo=tmp_path / "absent") == (
+        "unmeasured"
+    )
+    assert available_host_memory() is not None  # this machine's /proc/meminfo
+    # Any version on disk can be a variant, served by the version policy or not; others are unknown.
+    assert version_on_disk(demo_repo, lite.config, 1).path == demo_repo / "mlp" / "1" / "model.onnx"
+    with pytest.raises(UnknownModelError, match=r"no version 7 .* \(it has: \[1, 2\]\)"):
+        version_on_disk(demo_repo, lite.config, 7)

@@ -228,3 +228,18 @@ def test_delay_at_the_only_level_is_served_late_not_rejected() -> None:
     assert s.step(0.5).expired == ()
     s.complete(running.id, 0.5)
     assert tags(s.step(0.5).dispatch[0]) == ["late"]
+
+
+def test_retuned_batching_takes_effect_on_the_queued_requests_and_none_restores_the_config() -> None:
+    s = make(preferred_batch_sizes=(), max_queue_delay_s=1.0)
+    for i in range(3):
+        s.admit(req(tag=str(i)), 0.0)
+    assert s.step(0.0).dispatch == ()  # waiting: a 1 s window, and waiting may grow the batch
+    s.retune(preferred_batch_sizes=(2,))
+    first = s.step(0.0)
+    assert [tags(b) for b in first.dispatch] == [["0", "1"]]  # a queued prefix is now a preferred size
+    s.complete(first.dispatch[0].id, 0.001)
+    s.retune(max_queue_delay_s=0.0)
+    assert [tags(b) for b in s.step(0.001).dispatch] == [["2"]]  # no window any more: it leaves at once
+    s.retune()
+    assert s.config == s.base_config and s.config.max_queue_delay_s == 1.0 and s.config.preferred_batch_sizes == ()

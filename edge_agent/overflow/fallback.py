@@ -1,0 +1,108 @@
+"""Local fallbacks: the last successful answer to identical inputs (a byte-bounded LRU), or a configured default.
+
+The cache is filled from normal successful answers and read only while a policy says to answer a priority level
+with a fallback. Its key is the model, the version that served, and every input's name, datatype, shape and bytes:
+an answer is reused only for exactly the same request to exactly the same model version. Everything here runs on
+the event loop, so nothing is locked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import numpy as np
+
+_ENTRY_OVERHEAD = 256  # bytes per entry beyond the arrays: key, dict slots, array headers (an estimate)
+_U64 = struct.Struct("<Q")
+
+
+def inputs_key(model: str, version: int, inputs: Mapping[str, np.ndarray]) -> bytes:
+    """A digest of everything that decides a model's answer: model, version, and each input's dtype, shape, bytes."""
+    digest = hashlib.blake2b(digest_size=20)
+    digest.update(f"{model}\0{version}\0".encode())
+    for name in sorted(inputs):
+        array = inputs[name]
+        digest.update(f"{name}\0{array.dtype.str}\0{array.shape}\0".encode())
+        if array.dtype.kind == "O":  # BYTES: each element, length-prefixed so that boundaries count
+            for element in array.ravel().tolist():
+                raw = element if isinstance(element, bytes) else str(element).encode()
+                digest.update(_U64.pack(len(raw)))
+                digest.update(raw)
+        else:
+            digest.update(np.ascontiguousarray(array).data)
+    return digest.digest()
+
+
+def _size(outputs: Mapping[str, np.ndarray]) -> int:
+    total = _ENTRY_OVERHEAD
+    for array in outputs.values():
+        if array.dtype.kind == "O":
+            total += (
+                sum(len(e) if isinstance(e, bytes) else len(str(e)) for e in array.ravel().tolist()) + 8 * array.size
+            )
+        else:
+            total += array.nbytes
+    return total
+
+
+class ResponseCache:
+    """Recent successful answers by `inputs_key`, at most `capacity_bytes` in all; least recently used go first."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._entries: OrderedDict[bytes, tuple[dict[str, np.ndarray], int]] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: bytes, outputs: Mapping[str, np.ndarray]) -> bool:
+        """Keep a copy of `outputs` (never a view into a whole batch's output); False when it is too big to keep."""
+        size = _size(outputs)
+        if size > self.capacity_bytes:
+            return False
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old[1]
+        while self._entries and self.bytes + size > self.capacity_bytes:
+            _, (_, evicted) = self._entries.popitem(last=False)
+            self.bytes -= evicted
+        kept: dict[str, np.ndarray] = {}
+        for name, array in outputs.items():
+            copy = np.array(array, copy=True)
+            copy.flags.writeable = False
+            kept[name] = copy
+        self._entries[key] = (kept, size)
+        self.bytes += size
+        return True
+
+    def get(self, key: bytes) -> dict[str, np.ndarray] | None:
+        found = self._entries.get(key)
+        if found is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return found[0]
+
+    def json(self) -> dict[str, int]:
+        return {"capacity_bytes": self.capacity_bytes, "bytes": self.bytes, "entries": len(self._entries),
+                "hits": self.hits, "misses": self.misses}  # fmt: skip
+
+
+def default_answer(outputs: Mapping[str, np.ndarray], rows: int, batching: bool) -> dict[str, np.ndarray]:
+    """A policy's default outputs for a request of `rows` rows: one row each, repeated for a batching model."""
+    if not batching:
+        return dict(outputs)
+    return {name: np.repeat(array[np.newaxis, ...], rows, axis=0) for name, array in outputs.items()}

@@ -1,0 +1,291 @@
+"""Apply policy documents to the running agent, without a restart and without dropping a request.
+
+A document is applied whole or not at all:
+  1. it is checked against the served models (`build_plan`); a misfit is refused;
+  2. variant versions that are not loaded are loaded beside the running ones, off the event loop, each after a
+     memory check (GPU via NVML where it measures, else host memory); a version that does not fit or fails to
+     load refuses the document, and whatever was loaded for it is closed again;
+  3. in one step on the event loop (no request can observe half of it): new versions join the registry, routes
+     move to the variants, batching parameters are retuned, shed and fallback change for the next admission;
+  4. versions no longer wanted leave routing at once and are closed once everything they had queued is answered;
+  5. telemetry is rebuilt if its buckets or interval changed, and a document from the control plane is cached.
+
+Which versions stay loaded: those the model's configuration serves, plus the variant; when the variant is not one
+of those, it replaces the default version in memory (the device was sized for one), and reverting loads the
+default again first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from edge_agent.policy.cache import CacheUnreadable, PolicyCache
+from edge_agent.policy.document import PolicyDocument
+from edge_agent.policy.plan import ModelPlan, Plan, PolicyRefused, ServedModel, Source, build_plan, local_plan
+from edge_agent.runtime.repository import UnknownModelError, version_on_disk
+from edge_agent.runtime.spec import ModelVersion
+
+if TYPE_CHECKING:
+    from edge_agent.serving.models import LoadedModel, ModelRegistry
+    from edge_agent.telemetry.live import LiveTelemetry
+
+log = logging.getLogger("spillway.agent.policy")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    at: float  # wall-clock seconds
+    message: str
+    version: int | None
+    source: str
+
+    def json(self) -> dict[str, Any]:
+        return {"at": isoformat_utc(self.at), "message": self.message, "version": self.version, "source": self.source}
+
+
+class PolicyApplier:
+    """Holds the active policy and moves the agent from one to the next; `plan_for` is read on every request."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        served: Mapping[str, ServedModel],
+        *,
+        load: Callable[[ModelVersion], LoadedModel],
+        check_fits: Callable[[ModelVersion], object] = lambda version: None,
+        cache: PolicyCache | None = None,
+        telemetry: LiveTelemetry | None = None,
+        agent_id: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """Args:
+        registry: the served models (routes and loaded versions change here).
+        served: per model, what a document is checked against.
+        load: loads one version (with warm-up); runs on a worker thread.
+        check_fits: raises if a version would not fit in memory beside the loaded ones; runs on a worker thread.
+        cache: where the last good document from the control plane is kept.
+        telemetry: counts refusals and is rebuilt when a document changes buckets or interval.
+        agent_id: documents for another agent are refused (None: not checked).
+        """
+        self.registry = registry
+        self.served = dict(served)
+        self._load = load
+        self._check_fits = check_fits
+        self.cache = cache
+        self.telemetry = telemetry
+        self.agent_id = agent_id
+        self._clock = clock
+        self.plan: Plan = local_plan(self.served)
+        self.etag: str | None = None
+        self.applied_at: float | None = None
+        self.refusals = 0
+        self.last_refusal: Refusal | None = None
+        self.transitions: dict[str, str] = {}  # model -> what is under way ("loading v2")
+        self.closing = False
+        self._lock = asyncio.Lock()
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    # ---- the hot path ------------------------------------------------------------------------
+
+    def plan_for(self, name: str) -> ModelPlan | None:
+        return self.plan.models.get(name)
+
+    # ---- applying ----------------------------------------------------------------------------
+
+    async def apply(self, document: PolicyDocument, source: Source, etag: str | None = None) -> bool:
+        """Apply `document` whole, or refuse it (recorded, counted, logged) and keep the active policy."""
+        async with self._lock:
+            if self.closing:
+                return False
+            try:
+                if self.agent_id is not None and document.agent != self.agent_id:
+                    raise PolicyRefused(f"agent: the document is for agent {document.agent!r}, not {self.agent_id!r}")
+                plan = build_plan(document, source, self.served)
+            except PolicyRefused as exc:
+                self.refuse(str(exc), document.version, source)
+                return False
+            try:
+                loads, unloads = self._version_changes(plan)
+                loaded = await self._load_all(loads)
+            except PolicyRefused as exc:
+                self.refuse(str(exc), document.version, source)
+                return False
+            if self.closing:  # the agent began draining while versions loaded: they will serve nobody
+                await asyncio.gather(*(asyncio.to_thread(m.worker.close) for m in loaded))
+                return False
+            self._commit(plan, loaded, unloads, etag)
+            if self.telemetry is not None:
+                try:
+                    await self.telemetry.reconfigure(plan.latency_buckets_ms, plan.export_interval_s)
+                except Exception:  # telemetry never takes the agent down; the running pipeline stays
+                    log.exception("rebuilding telemetry for policy version %d failed", document.version)
+            log.info("applied policy version %d from %s%s", document.version, source.replace("_", " "),
+                     "".join(f"; {name}: {plan.models[name].json()}" for name in sorted(plan.models)))  # fmt: skip
+        if source == "control_plane" and self.cache is not None:
+            try:
+                await asyncio.to_thread(self.cache.store, document, etag)
+            except OSError as exc:
+                log.warning("could not cache policy version %d at %s: %s", document.version, self.cache.path, exc)
+        return True
+
+    async def apply_cached(self) -> bool:
+        """At start, before serving: the cached document if there is a valid one (else the local configuration)."""
+        if self.cache is None:
+            return False
+        try:
+            cached = self.cache.load()
+        except CacheUnreadable as exc:
+            self.refuse(str(exc), None, "cache")
+            return False
+        if cached is None:
+            return False
+        return await self.apply(cached.document, "cache", cached.etag)
+
+    def confirmed(self) -> None:
+        """The control plane answered 304 to the active document's ETag: a cached policy is its policy now."""
+        if self.plan.source == "cache":
+            self.plan = replace(self.plan, source="control_plane")
+
+    def refuse(self, message: str, version: int | None, source: str) -> None:
+        """Record a refused document: status, metric, one log line."""
+        self.refusals += 1
+        self.last_refusal = Refusal(self._clock(), message, version, source)
+        if self.telemetry is not None:
+            self.telemetry.refused(source)
+        shown = "a document" if version is None else f"policy version {version}"
+        log.warning("refused %s from %s: %s (keeping the active policy)", shown, source.replace("_", " "), message)
+
+    def _target_versions(self, name: str, plan: ModelPlan) -> set[int]:
+        served = self.served[name]
+        configured = set(served.configured_versions)
+        if plan.variant is None or plan.variant.version in configured:
+            return configured
+        return (configured - {served.default_version}) | {plan.variant.version}
+
+    def _version_changes(self, plan: Plan) -> tuple[list[ModelVersion], list[tuple[str, int]]]:
+        loads: list[ModelVersion] = []
+        unloads: list[tuple[str, int]] = []
+        for name, model_plan in plan.models.items():
+            target = self._target_versions(name, model_plan)
+            loaded = set(self.registry.versions(name))
+            for version in sorted(target - loaded):
+                if model_plan.variant is not None and model_plan.variant.version == version:
+                    loads.append(model_plan.variant)
+                else:  # a configured version, coming back as the variant goes
+                    served = self.served[name]
+                    try:
+                        loads.append(version_on_disk(served.repository, served.config, version))
+                    except UnknownModelError as exc:
+                        raise PolicyRefused(f"models[{name!r}]: cannot load v{version} again: {exc}") from None
+            unloads += [(name, version) for version in sorted(loaded - target)]
+        return loads, unloads
+
+    async def _load_all(self, versions: list[ModelVersion]) -> list[LoadedModel]:
+        loaded: list[LoadedModel] = []
+        try:
+            for version in versions:
+                name = version.config.name
+                self.transitions[name] = f"loading v{version.version}"
+                try:
+                    await asyncio.to_thread(self._check_fits, version)
+                    loaded.append(await asyncio.to_thread(self._load, version))
+                except Exception as exc:  # a memory check, a bad graph, a runner error: all refuse the document
+                    raise PolicyRefused(f"models[{name!r}]: cannot load v{version.version}: {exc}") from None
+        except PolicyRefused:
+            await asyncio.gather(*(asyncio.to_thread(m.worker.close) for m in loaded))
+            raise
+        finally:
+            for version in versions:
+                self.transitions.pop(version.config.name, None)
+        return loaded
+
+    def _commit(self, plan: Plan, loaded: list[LoadedModel], unloads: list[tuple[str, int]], etag: str | None) -> None:
+        """Everything that changes routing and admission, in one step on the event loop."""
+        for model in loaded:
+            self.registry.add(model)
+            if self.telemetry is not None:
+                self.telemetry.attach(model)
+        for name, model_plan in plan.models.items():
+            self.registry.set_variant(name, None if model_plan.variant is None else model_plan.variant.version)
+            delay = model_plan.max_queue_delay_us
+            for model in self.registry.of(name):
+                model.worker.retune(max_queue_delay_s=None if delay is None else delay / 1e6,
+                                    preferred_batch_sizes=model_plan.preferred_batch_sizes)  # fmt: skip
+        self.plan = plan
+        self.etag = etag
+        self.applied_at = self._clock()
+        for name, version in unloads:
+            retired = self.registry.retire(name, version)
+            task = asyncio.get_running_loop().create_task(self._unload(retired))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def _unload(self, model: LoadedModel) -> None:
+        """Close a version once everything it had queued or running has been answered."""
+        try:
+            await model.worker.drain()
+            await asyncio.to_thread(model.worker.close)
+            log.info("unloaded %s v%d", model.config.name, model.version)
+        finally:
+            self.registry.retired(model)
+
+    async def close(self) -> None:
+        """Stop applying (the agent is draining); unloads under way still finish their queues."""
+        self.closing = True
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
+
+    # ---- status ------------------------------------------------------------------------------
+
+    def json(self) -> dict[str, Any]:
+        document = self.plan.document
+        models: dict[str, Any] = {}
+        for name in sorted(self.served):
+            plan = self.plan.models.get(name)
+            first = next(iter(self.registry.of(name)), None)
+            batching = None
+            if first is not None and self.served[name].config.dynamic_batching is not None:
+                config = first.worker.scheduler.config
+                batching = {
+                    "max_queue_delay_us": round(config.max_queue_delay_s * 1e6),
+                    "preferred_batch_sizes": list(config.preferred_batch_sizes),
+                    "from_policy": plan is not None
+                    and (plan.max_queue_delay_us is not None or plan.preferred_batch_sizes is not None),
+                }
+            default = self.registry.default_version(name)
+            variant = self.registry.variant(name)
+            models[name] = {
+                "default_version": default,
+                "served_version": default if variant is None else variant,
+                "variant": variant,
+                "loaded_versions": self.registry.versions(name),
+                "retiring_versions": sorted(m.version for m in self.registry.retiring if m.config.name == name),
+                "transition": self.transitions.get(name),
+                "batching": batching,
+                "shed": None if plan is None else plan.json()["shed"],
+                "fallback": None if plan is None else plan.json()["fallback"],
+            }
+        return {
+            "policy": {
+                "version": self.plan.version,
+                "source": self.plan.source,
+                "etag": self.etag,
+                "agent": None if document is None else document.agent,
+                "applied_at": None if self.applied_at is None else isoformat_utc(self.applied_at),
+                "causes": [] if document is None else [c.model_dump(mode="json") for c in document.causes],
+            },
+            "refusals": self.refusals,
+            "last_refusal": None if self.last_refusal is None else self.last_refusal.json(),
+            "models": models,
+        }
+
+
+def isoformat_utc(seconds: float) -> str:
+    """Wall-clock seconds as an ISO 8601 time in UTC, for status reports."""
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="milliseconds")

@@ -1,0 +1,178 @@
+"""What a policy document means for the models this agent serves, checked against them before anything changes.
+
+`build_plan` turns a document (schema-valid already) into one `ModelPlan` per served model, or raises
+`PolicyRefused` naming what does not fit: a variant the repository does not have, batching sizes the model
+cannot take, default outputs that are not the model's outputs. A refused document changes nothing.
+
+Entries for models the agent does not serve are ignored (a fleet-wide rule may name models some agents lack).
+Batching fields are ignored for models without dynamic batching when they come from the `*` entry, and refused
+when the model's own entry sets them. Where shed and fallback both cover a priority level, the fallback answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from edge_agent.policy.document import Fallback, PolicyDocument, Shed
+from edge_agent.runtime.repository import UnknownModelError, version_on_disk
+from edge_agent.runtime.spec import ModelConfig, ModelVersion
+from edge_agent.serving.tensors import TensorError, decode_json_tensor
+
+Source = Literal["control_plane", "cache", "local"]
+Admission = Literal["serve", "shed", "fallback"]
+
+
+class PolicyRefused(ValueError):
+    """A policy document the agent will not apply; the message says why. The last good policy stays."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a model's policy is checked against: its config, default version and the versions its config serves."""
+
+    config: ModelConfig
+    default_version: int
+    configured_versions: tuple[int, ...]
+    repository: Path
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model's effective policy. Batching fields are None where the model's configuration applies."""
+
+    name: str
+    variant: ModelVersion | None = None  # served in place of the default version
+    max_queue_delay_us: int | None = None
+    preferred_batch_sizes: tuple[int, ...] | None = None
+    shed: Shed | None = None
+    fallback: Fallback | None = None
+    default_outputs: Mapping[str, np.ndarray] | None = None  # mode `default`: one row (unit) per output
+
+    def admission(self, level: int) -> Admission:
+        """What happens to a request at priority level `level` (1 highest) on arrival."""
+        if self.fallback is not None and level >= self.fallback.at_or_below:
+            return "fallback"
+        if self.shed is not None and level >= self.shed.at_or_below:
+            return "shed"
+        return "serve"
+
+    def json(self) -> dict[str, Any]:
+        fallback = None
+        if self.fallback is not None:
+            fallback = {"at_or_below": self.fallback.at_or_below, "mode": self.fallback.mode}
+        return {
+            "variant": None if self.variant is None else self.variant.version,
+            "shed": None if self.shed is None else self.shed.model_dump(),
+            "fallback": fallback,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A whole document as this agent applies it (or the local configuration: no document)."""
+
+    source: Source = "local"
+    document: PolicyDocument | None = None
+    models: Mapping[str, ModelPlan] = field(default_factory=dict)
+
+    @property
+    def version(self) -> int | None:
+        return None if self.document is None else self.document.version
+
+    @property
+    def latency_buckets_ms(self) -> list[float] | None:
+        return None if self.document is None else self.document.latency_buckets_ms
+
+    @property
+    def export_interval_s(self) -> float | None:
+        return None if self.document is None else self.document.export_interval_s
+
+    @property
+    def poll_interval_s(self) -> float | None:
+        return None if self.document is None else self.document.poll_interval_s
+
+
+def local_plan(served: Mapping[str, ServedModel]) -> Plan:
+    """The agent as configured, with no policy document."""
+    return Plan(models={name: ModelPlan(name) for name in served})
+
+
+def build_plan(document: PolicyDocument, source: Source, served: Mapping[str, ServedModel]) -> Plan:
+    """Check `document` against the served models; raises PolicyRefused naming the model and the field."""
+    models: dict[str, ModelPlan] = {}
+    for name, model in served.items():
+        policy = document.for_model(name)
+        own = document.models.get(name)
+        where = f"models[{name!r}]"
+        variant = None
+        if policy.variant is not None and policy.variant != model.default_version:
+            try:
+                variant = version_on_disk(model.repository, model.config, policy.variant)
+            except UnknownModelError as exc:
+                raise PolicyRefused(f"{where}.variant: {exc}") from None
+        delay, preferred = _batching(name, model.config, policy.max_queue_delay_us, policy.preferred_batch_sizes,
+                                     explicit=own is not None)  # fmt: skip
+        defaults = None
+        if policy.fallback is not None and policy.fallback.mode == "default":
+            defaults = _default_outputs(where, model.config, policy.fallback.default_outputs or [])
+        models[name] = ModelPlan(name, variant, delay, preferred, policy.shed, policy.fallback, defaults)
+    return Plan(source, document, models)
+
+
+def _batching(
+    name: str, config: ModelConfig, delay_us: int | None, preferred: list[int] | None, *, explicit: bool
+) -> tuple[int | None, tuple[int, ...] | None]:
+    if delay_us is None and preferred is None:
+        return None, None
+    if config.dynamic_batching is None or config.max_batch_size < 1:
+        if explicit:
+            raise PolicyRefused(
+                f"models[{name!r}]: max_queue_delay_us/preferred_batch_sizes: the model has no dynamic batching to tune"
+            )
+        return None, None
+    if preferred is not None:
+        too_big = [size for size in preferred if size > config.max_batch_size]
+        if too_big:
+            raise PolicyRefused(
+                f"models[{name!r}].preferred_batch_sizes: {too_big} exceed the model's max_batch_size "
+                f"({config.max_batch_size})"
+            )
+    return delay_us, None if preferred is None else tuple(sorted(set(preferred)))
+
+
+def _default_outputs(where: str, config: ModelConfig, raw: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """The default outputs as arrays of one row each (the whole tensor for a model that does not batch)."""
+    specs = {spec.name: spec for spec in config.outputs}
+    batching = config.max_batch_size > 0
+    found: dict[str, np.ndarray] = {}
+    for index, item in enumerate(raw):
+        label = f"{where}.fallback.default_outputs[{index}]"
+        try:
+            tensor = decode_json_tensor(item, index, kind="default output")
+        except TensorError as exc:
+            raise PolicyRefused(f"{label}: {exc}") from None
+        spec = specs.get(tensor.name)
+        if spec is None:
+            raise PolicyRefused(f"{label}: the model has no output {tensor.name!r} (it has: {sorted(specs)})")
+        if tensor.name in found:
+            raise PolicyRefused(f"{label}: output {tensor.name!r} is given twice")
+        if tensor.datatype != spec.datatype:
+            raise PolicyRefused(f"{label}: output {tensor.name!r} is {spec.datatype}, not {tensor.datatype}")
+        array = tensor.array
+        if batching and len(array.shape) == len(spec.shape) + 1 and array.shape[0] == 1:
+            array = array[0]  # given as a batch of one row
+        if len(array.shape) != len(spec.shape) or any(
+            want not in (-1, got) for want, got in zip(spec.shape, array.shape, strict=True)
+        ):
+            shapes = f"{list(spec.shape)}" + (f" or {[1, *spec.shape]}" if batching else "")
+            raise PolicyRefused(f"{label}: output {tensor.name!r} needs shape {shapes}, got {list(tensor.shape)}")
+        found[tensor.name] = array
+    missing = sorted(set(specs) - set(found))
+    if missing:
+        raise PolicyRefused(f"{where}.fallback.default_outputs: output(s) {missing} of the model are missing")
+    return found
