@@ -1,0 +1,1 @@
+"""The dashboard's pages: each module is a Streamlit page script (`st.Page`) with a `render()` function."""

@@ -1,0 +1,112 @@
+"""The Grafana dashboard queries metrics that exist: the agents' OpenTelemetry instruments under the names an
+OTLP collector gives them in Prometheus, and the control plane's own /metrics as a running one serves them."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from controlplane.app import create_app
+from controlplane.settings import Settings
+from edge_agent.telemetry import AgentTelemetry, TelemetrySettings
+from edge_agent.telemetry.probes import GPU_GAUGES
+from tests.conftest import make_keys
+from tests.utils.server import serving
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "grafana" / "spillway.json"
+# The collector's Prometheus naming (OTel's Prometheus compatibility spec): dots to underscores, a unit suffix,
+# `_total` for counters, `_ratio` for gauges of unit 1, and annotations such as `{request}` dropped.
+UNITS = {"s": "seconds", "By": "bytes", "Cel": "celsius"}
+NAME = re.compile(r"\b((?:spillway|hw|system)_[a-z0-9_]+)\b")
+LABELS = re.compile(r"\{[^}]*\}|\bby \([^)]*\)")  # label matchers and groupings name labels, not metrics
+
+
+def prometheus_name(name: str, unit: str, kind: str) -> str:
+    base = name.replace(".", "_")
+    suffix = UNITS.get(unit) or ("ratio" if unit == "1" and kind == "gauge" else "")
+    if suffix and not base.endswith(suffix):
+        base = f"{base}_{suffix}"
+    return f"{base}_total" if kind == "counter" else base
+
+
+def agent_series() -> set[str]:
+    """Every series name the agent's instruments give in Prometheus (GPU gauges from the probes' own table)."""
+    reader = InMemoryMetricReader()
+    settings = TelemetrySettings(agent_id="a1", control_plane=None, agent_token=None)
+    telemetry = AgentTelemetry(settings, readers=[reader], probes=False)
+    recorder = telemetry.recorder("mlp", 1)
+    recorder.outcome(1, "local")
+    recorder.durations(1, "local", 0.001, 0.002, 0.003)
+    recorder.batch(4, 0.002, ok=True)
+    telemetry.policy_refusals.add(1)
+    telemetry.watch_queue(lambda: [({"model": "mlp", "priority": 1}, 3)])
+    telemetry.watch_policy(lambda: (2, "control_plane"))
+    names = set()
+    data = reader.get_metrics_data()
+    assert data is not None
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                kind = type(metric.data).__name__.lower()  # sum, histogram, gauge
+                if kind == "histogram":
+                    base = prometheus_name(metric.name, metric.unit, kind)
+                    names |= {f"{base}_bucket", f"{base}_sum", f"{base}_count"}
+                else:
+                    names.add(prometheus_name(metric.name, metric.unit, "counter" if kind == "sum" else kind))
+    telemetry.shutdown()
+    names |= {prometheus_name(name, unit, "gauge") for name, unit in GPU_GAUGES.items()}
+    return names
+
+
+def control_plane_series(tmp_path: Path) -> set[str]:
+    url = f"sqlite:///{tmp_path / 'cp.db'}"
+    viewer = make_keys(url)["viewer"]
+    headers = {"Authorization": f"Bearer {viewer}"}
+    with serving(create_app(Settings(database_url=url, control_loop_interval_s=0))) as base:
+        httpx.get(f"{base}/api/v1/status", headers=headers, timeout=10).raise_for_status()  # a labelled series
+        text = httpx.get(f"{base}/metrics", headers=headers, timeout=10).text
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def test_every_query_names_a_metric_that_exists(tmp_path: Path) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    known = agent_series() | control_plane_series(tmp_path)
+    assert {"spillway_requests_total", "spillway_request_duration_seconds_bucket", "hw_temperature_celsius",
+            "spillway_http_requests_total", "spillway_agents"} <= known  # fmt: skip
+    exprs = [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    assert len(exprs) > 20
+    used = {name for expr in exprs for name in NAME.findall(LABELS.sub("", expr))}
+    assert used - known == set()
+    for expr in exprs:
+        assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+
+
+def test_panels_are_laid_out_without_overlap_and_use_the_datasource_variable() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    taken: set[tuple[int, int]] = set()
+    ids = set()
+    for panel in panels(dashboard):
+        pos = panel["gridPos"]
+        cells = {(pos["x"] + dx, pos["y"] + dy) for dx in range(pos["w"]) for dy in range(pos["h"])}
+        assert pos["x"] + pos["w"] <= 24 and not cells & taken, panel["title"]
+        taken |= cells
+        ids.add(panel["id"])
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+    assert len(ids) == len(list(panels(dashboard)))
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    used = set(re.findall(r"\$(\w+)", json.dumps(dashboard["panels"]))) - {"__rate_interval", "__all"}
+    assert used <= variables

@@ -1,0 +1,264 @@
+"""Each page under Streamlit's AppTest against a real, seeded control plane: what it shows, and edits round-tripping
+through the REST API (with the API's validation messages under their fields, and editing disabled for viewers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+from streamlit.testing.v1 import AppTest
+
+from tests.dashboard.conftest import OpenPage
+from tests.dashboard.seeding import SeededPlane
+from tests.utils.server import free_port
+
+
+def flat(node: Any) -> list[Any]:
+    """Every element of a page, in the order it is drawn."""
+    out = [node]
+    for child in getattr(node, "children", {}).values():
+        out += flat(child)
+    return out
+
+
+def right_after(at: AppTest, key: str) -> Any:
+    """The element drawn right after the widget with this key (where a field's error message goes)."""
+    nodes = flat(at.main)
+    index = next(i for i, node in enumerate(nodes) if getattr(node, "key", None) == key)
+    return nodes[index + 1]
+
+
+def table(at: AppTest, having: str) -> pd.DataFrame:
+    """The first dataframe with a column named `having`."""
+    return next(df.value for df in at.dataframe if having in df.value.columns)
+
+
+def button(at: AppTest, label: str) -> Any:
+    return next(b for b in at.button if b.label == label)
+
+
+def no_errors(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+
+
+def test_fleet_shows_every_agent_with_its_state_traffic_and_degradations(open_page: OpenPage) -> None:
+    at = open_page("fleet")
+    no_errors(at)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Agents healthy"] == "2 / 2"
+    assert metrics["SLOs firing"] == "2 / 2"  # the seeded traffic overspends both SLOs' budgets
+    agents = table(at, "agent").set_index("agent")
+    assert agents.loc["jetson-berlin-01", "status"] == "degraded"  # healthy, with a rule in force
+    assert agents.loc["desktop-gpu-lab", "status"] == "healthy"
+    assert "shed-on-deep-queue -> shed" in agents.loc["jetson-berlin-01", "degradations"]
+    assert agents.loc["jetson-berlin-01", "p99 ms (slowest group)"] == 185  # priority 3's p99, from the buckets
+    assert agents.loc["jetson-berlin-01", "outcomes"] == "local 95%, rejected 5%"
+    assert agents.loc["jetson-berlin-01", "policy v"] >= 2
+    slos = table(at, "SLO")
+    assert set(slos["SLO"]) == {"mlp-latency", "mlp-availability"}
+    assert any(c.value.startswith("Last updated ") for c in at.caption)
+
+    at.multiselect(key="fleet_labels").select("site=lab").run()
+    assert list(table(at, "agent")["agent"]) == ["desktop-gpu-lab"]
+
+
+def test_device_page_shows_percentiles_queues_gauges_policy_and_ladder(open_page: OpenPage, fleet: SeededPlane) -> None:
+    at = open_page("device", agent=fleet.agents["jetson-berlin-01"])
+    no_errors(at)
+    metrics = {m.label: m.value for m in at.metric}
+    assert any("jetson-berlin-01** is :orange[**degraded**]" in m.value for m in at.markdown)
+    assert metrics["Requests (5m)"] == "945"
+    assert metrics["p99 ms (slowest group)"] == "185"
+    traffic = table(at, "p99 ms").set_index("priority")
+    assert traffic.loc[1, "requests"] == 600 and traffic.loc[3, "requests"] == 345
+    assert traffic.loc[3, "queue depth (last/max)"] == "80 / 80"
+    assert traffic.loc[3, "p99 ms"] == 185
+    assert round(traffic.loc[1, "queue ms"], 2) == round(0.4 * traffic.loc[1, "compute ms"] / 0.5, 2)
+    gauges = table(at, "gauge").set_index("gauge")
+    assert gauges.loc["hw.gpu.memory.usage", "last"] == "5.25 GiB"
+    assert gauges.loc["hw.temperature", "last"] == "71.5"
+    ladder = table(at, "rung").set_index("rung")
+    assert ladder.loc["shed low priorities", "in force"] == "yes"
+    assert ladder.loc["shed low priorities", "by rules"] == "shed-on-deep-queue"
+    assert "priority ≥ 3 refused" in ladder.loc["shed low priorities", "now"]
+    events = table(at, "numbers")
+    assert "rule.fired" in set(events["kind"])
+
+
+def test_slos_sorted_worst_first_with_burn_rates_against_thresholds(open_page: OpenPage) -> None:
+    at = open_page("slos")
+    no_errors(at)
+    slos = table(at, "budget left")
+    budgets = [float(b.rstrip("%")) for b in slos["budget left"]]
+    assert budgets == sorted(budgets) and budgets[0] < 0  # least budget left first
+    alerts = table(at, "alert pair").set_index("alert pair")
+    assert set(alerts.index) == {"56m/5m", "336m/28m", "4032m/336m"}
+    assert alerts.loc["56m/5m", "threshold"] == 14.4
+    assert alerts.loc["4032m/336m", "firing"] == "FIRING"
+    per_agent = table(at, "agent")
+    assert per_agent["agent"].iloc[0] == "jetson-berlin-01"  # the one burning
+
+
+def test_slo_form_shows_the_api_validation_message_under_the_field(open_page: OpenPage, fleet: SeededPlane) -> None:
+    at = open_page("slos")
+    at.text_input(key="slo-create-0:name").set_value("too-ambitious")
+    at.number_input(key="slo-create-0:objective").set_value(100.0)
+    button(at, "Create SLO").click().run()
+    assert not at.exception
+    below = right_after(at, "slo-create-0:objective")
+    assert below.value == "Input should be less than 100"  # the API's words, right under the field
+    assert "too-ambitious" not in {s["name"] for s in fleet.get("/slos")["items"]}
+
+    at.number_input(key="slo-create-0:objective").set_value(99.0)
+    at.number_input(key="slo-create-0:threshold_ms").set_value(51.0)
+    button(at, "Create SLO").click().run()
+    assert "not a latency bucket boundary" in right_after(at, "slo-create-0:threshold_ms").value
+
+    at.number_input(key="slo-create-0:threshold_ms").set_value(100.0)
+    at.text_input(key="slo-create-0:selector.labels").set_value("site=lab")
+    button(at, "Create SLO").click().run()
+    no_errors(at)
+    assert [s.value for s in at.success] == ["SLO created."]
+    created = {s["name"]: s for s in fleet.get("/slos")["items"]}["too-ambitious"]
+    assert (created["objective"], created["threshold_ms"]) == (99.0, 100.0)
+    assert created["selector"]["labels"] == {"site": "lab"}
+    assert at.text_input(key="slo-create-1:name").value == ""  # the create form starts afresh
+
+
+def test_slo_edit_round_trips_and_a_stale_edit_is_refused(open_page: OpenPage, fleet: SeededPlane) -> None:
+    at = open_page("slos")
+    at.selectbox(key="slo_edit_pick").select("mlp-latency").run()
+    ident = fleet.slos["mlp-latency"]
+    version = fleet.get(f"/slos/{ident}")["version"]
+    form = f"slo-edit-{ident}-{version}"
+    at.number_input(key=f"{form}:objective").set_value(98.5)
+    at.text_input(key=f"{form}:alert_windows").set_value("1h/5m@14.4:page, 6h/30m@6:ticket")
+    button(at, "Save SLO").click().run()
+    no_errors(at)
+    saved = fleet.get(f"/slos/{ident}")
+    assert saved["objective"] == 98.5
+    assert [(w["long"], w["short"], w["burn_rate"], w["severity"]) for w in saved["alert_windows"]] == [
+        ("1h", "5m", 14.4, "page"), ("6h", "30m", 6.0, "ticket")]  # fmt: skip
+
+    # Someone else changes it between this page's read and the submit: the If-Match ETag makes the API say 412.
+    form = f"slo-edit-{ident}-{saved['version']}"
+    with fleet.client("editor") as other:
+        other.patch(f"/api/v1/slos/{ident}", json={"description": "changed meanwhile"}).raise_for_status()
+    at.number_input(key=f"{form}:objective").set_value(97.0)
+    button(at, "Save SLO").click().run()
+    assert any("Someone changed this since you opened it" in e.value for e in at.error)
+    assert fleet.get(f"/slos/{ident}")["objective"] == 98.5
+
+    at.text_input(key=f"{form}:alert_windows").set_value("1h 5m")
+    button(at, "Save SLO").click().run()
+    assert "is not long/short@burn_rate" in right_after(at, f"{form}:alert_windows").value
+
+
+def test_rules_say_what_each_does_now_and_switches_round_trip(open_page: OpenPage, fleet: SeededPlane) -> None:
+    at = open_page("rules")
+    no_errors(at)
+    rules = table(at, "now").set_index("rule")
+    assert rules.loc["shed-on-deep-queue", "now"] == "jetson-berlin-01: shed priority 3 and lower (Retry-After 7 s)"
+    assert rules.loc["shed-batch-traffic-when-hot", "mode"] == "dry run"
+    assert rules.loc["lite-on-fast-burn", "when"] == "SLO mlp-latency burns ≥ 14.4x over 1h and 5m"
+    states = table(at, "observed").set_index("rule")
+    assert states.loc["shed-on-deep-queue", "state"] == "firing"
+    assert "threshold=32" in states.loc["shed-on-deep-queue", "observed"]
+    ladder = table(at, "rung")
+    assert list(ladder["rung"]) == ["tune batching", "lighter variant", "shed low priorities", "serve fallbacks"]
+    assert at.selectbox(key="rules_ladder_agent").value == fleet.agents["jetson-berlin-01"]  # the busy one first
+    assert ladder.set_index("rung").loc["shed low priorities", "by rules"] == "shed-on-deep-queue"
+
+    at.selectbox(key="rule_edit_pick").select("lite-on-fast-burn").run()
+    ident = fleet.rules["lite-on-fast-burn"]
+    version = fleet.get(f"/rules/{ident}")["version"]
+    assert fleet.get(f"/rules/{ident}")["dry_run"] is True  # the example fleet seeds it in dry run
+    at.toggle(key=f"rule-dry-{ident}-{version}").set_value(False).run()
+    no_errors(at)
+    assert fleet.get(f"/rules/{ident}")["dry_run"] is False
+    assert [s.value for s in at.success] == ["Rule lite-on-fast-burn is now live (no longer dry run)."]
+    version += 1
+    at.toggle(key=f"rule-enabled-{ident}-{version}").set_value(False).run()
+    assert fleet.get(f"/rules/{ident}")["enabled"] is False
+    assert table(at, "now").set_index("rule").loc["lite-on-fast-burn", "now"] == "disabled: not evaluated"
+
+
+def test_rule_form_creates_a_rule_and_maps_nested_errors_to_fields(open_page: OpenPage, fleet: SeededPlane) -> None:
+    at = open_page("rules")
+    at.selectbox(key="rule-create-0:condition.kind").select("latency").run()
+    at.selectbox(key="rule-create-0:action.kind").select("fallback").run()
+    at.text_input(key="rule-create-0:name").set_value("fallback-when-slow")
+    at.number_input(key="rule-create-0:condition.quantile").set_value(1.5)
+    at.selectbox(key="rule-create-0:action.mode").select("default")
+    button(at, "Create rule").click().run()
+    # The API names `condition.latency.quantile`; the form's field is `condition.quantile`.
+    assert "less than 1" in right_after(at, "rule-create-0:condition.quantile").value
+    at.number_input(key="rule-create-0:condition.quantile").set_value(0.95)
+    at.text_area(key="rule-create-0:action.default_outputs").set_value(
+        '[{"name": "y", "shape": [1], "datatype": "FP32", "data": [0]}]'
+    )
+    button(at, "Create rule").click().run()
+    no_errors(at)
+    created = {r["name"]: r for r in fleet.get("/rules")["items"]}["fallback-when-slow"]
+    assert created["condition"] == {"kind": "latency", "quantile": 0.95, "threshold_ms": 100.0, "window": "5m",
+                                    "min_requests": 20}  # fmt: skip
+    assert created["action"]["mode"] == "default" and created["action"]["default_outputs"][0]["name"] == "y"
+
+
+def test_backends_list_and_add_through_the_api(open_page: OpenPage, fleet: SeededPlane) -> None:
+    at = open_page("backends")
+    no_errors(at)
+    backends = table(at, "backend").set_index("backend")
+    assert backends.loc["cloud-triton-eu", "url"] == "http://127.0.0.1:8500"
+    assert backends.loc["cloud-triton-eu", "auth header"] == "set"
+    assert any("does not report them yet" in c.value for c in at.caption)
+    at.text_input(key="backend-create-0:name").set_value("cloud-kserve-us")
+    at.text_input(key="backend-create-0:url").set_value("http://127.0.0.1:8600")
+    at.text_input(key="backend-create-0:models").set_value("mlp, resnet")
+    at.number_input(key="backend-create-0:weight").set_value(2.0)
+    button(at, "Add backend").click().run()
+    no_errors(at)
+    created = {b["name"]: b for b in fleet.get("/backends")["items"]}["cloud-kserve-us"]
+    assert (created["models"], created["weight"], created["auth_header_set"]) == (["mlp", "resnet"], 2.0, False)
+    assert "cloud-kserve-us" in set(table(at, "backend")["backend"])
+
+
+def test_events_timeline_filters_by_kind_agent_and_rule(open_page: OpenPage, fleet: SeededPlane) -> None:
+    at = open_page("events")
+    no_errors(at)
+    events = table(at, "numbers")
+    assert {"rule.fired", "policy.published", "slo.created"} <= set(events["kind"])
+    assert list(events["id"]) == sorted(events["id"], reverse=True)  # newest first
+    fired = events[events["kind"] == "rule.fired"].iloc[-1]
+    assert fired["rule"] == "shed-on-deep-queue" and fired["agent"] == "jetson-berlin-01"
+    assert "threshold=32" in fired["numbers"]
+
+    at.selectbox(key="events_kind").select("rule.*").run()
+    assert set(table(at, "numbers")["kind"]) <= {"rule.created", "rule.updated", "rule.fired", "rule.pending",
+                                                 "rule.would_fired", "rule.recovered"}  # fmt: skip
+    at.selectbox(key="events_kind").select(None)
+    at.selectbox(key="events_rule").select(fleet.rules["shed-on-deep-queue"]).run()
+    assert set(table(at, "numbers")["rule"]) == {"shed-on-deep-queue"}
+
+
+def test_a_viewer_sees_every_page_with_editing_disabled(open_page: OpenPage) -> None:
+    for page, submit in (("slos", "Create SLO"), ("rules", "Create rule"), ("backends", "Add backend")):
+        at = open_page(page, role="viewer")
+        no_errors(at)
+        assert any("has the **viewer** role" in i.value for i in at.info)
+        assert button(at, submit).disabled
+        assert all(t.disabled for t in at.text_input)
+    at = open_page("rules", role="viewer")
+    assert all(t.disabled for t in at.toggle)
+
+
+def test_unreachable_api_and_refused_key_read_as_sentences(open_page: OpenPage) -> None:
+    closed = f"http://127.0.0.1:{free_port()}"
+    for page in ("fleet", "device", "slos", "rules", "backends", "events"):
+        at = open_page(page, url=closed)
+        assert not at.exception
+        assert any("is unreachable" in e.value and closed in e.value for e in at.error), page
+    at = open_page("slos", key="spk_0000000000000000_" + "x" * 43)
+    assert not at.exception
+    assert any("The API refused the key" in e.value for e in at.error)
