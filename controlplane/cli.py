@@ -127,13 +127,36 @@ def create_key(
 def demo(
     port: Annotated[int, typer.Option(help="control plane port")] = 8400,
     agent_port: Annotated[int, typer.Option(help="edge agent port")] = 8001,
+    dashboard_port: Annotated[int, typer.Option(help="web dashboard port (0: no dashboard)")] = 8501,
     data_dir: Annotated[str, typer.Option(help="where the demo keeps its database")] = ".spillway-demo",
     once: Annotated[bool, typer.Option(help="seed, print, and stop instead of serving until Ctrl-C")] = False,
 ) -> None:
-    """Start a control plane and an edge agent, seed the example fleet, and send the agent a burst of traffic."""
+    """Start a control plane, an edge agent and the dashboard, seed the example fleet, and run the story: a burst,
+    its telemetry and SLOs, and a load ramp that makes a degradation rule fire and recover."""
     from controlplane.demo import run_demo
 
-    raise typer.Exit(run_demo(port=port, agent_port=agent_port, data_dir=data_dir, once=once))
+    raise typer.Exit(run_demo(port=port, agent_port=agent_port, data_dir=data_dir, once=once,
+                              dashboard_port=dashboard_port))  # fmt: skip
+
+
+@app.command()
+def dashboard(
+    api: Annotated[str, typer.Option(help="the control plane's base URL")] = "http://127.0.0.1:8400",
+    port: Annotated[int, typer.Option(help="dashboard port")] = 8501,
+    host: Annotated[str, typer.Option(help="dashboard listen address")] = "127.0.0.1",
+) -> None:
+    """Serve the web dashboard (Streamlit) for a control plane; the API key comes from SPILLWAY_API_KEY."""
+    import os
+
+    from dashboards import run_dashboard
+
+    key = os.environ.get("SPILLWAY_API_KEY", "").strip()
+    if not key:
+        typer.echo("error: set SPILLWAY_API_KEY to an API key (viewer, editor or admin); a viewer key can look but "
+                   "not edit", err=True)  # fmt: skip
+        raise typer.Exit(2)
+    typer.echo(f"Spillway dashboard on http://{host}:{port} for the control plane at {api}", err=True)
+    run_dashboard(api, key, port=port, host=host)
 
 
 def main() -> None:

@@ -11,13 +11,9 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -30,36 +26,6 @@ SEED_ORDER = ("agents", "slos", "rules", "backends")
 
 def _say(line: str = "") -> None:
     print(line, flush=True)
-
-
-@contextmanager
-def _process(args: list[str], log_path: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    """A child process that is always stopped (SIGTERM, then SIGKILL) when the demo ends."""
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)  # noqa: S603 - our own CLI
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, deadline_s: float = 120.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the {what} exited with code {proc.returncode}; see {log}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the {what} was not ready within {deadline_s:.0f} s; see {log}")
 
 
 def seed(client: httpx.Client, fleet: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -76,68 +42,47 @@ def seed(client: httpx.Client, fleet: dict[str, Any]) -> dict[str, list[dict[str
     return created
 
 
-def _admin_key(url: str) -> str:
-    from controlplane.access import issue_api_key
-    from controlplane.db import make_engine, make_sessionmaker, migrate_to, transaction
-    from controlplane.db.repository import Actor
-
-    migrate_to(url)
-    engine = make_engine(url)
-    try:
-        with transaction(make_sessionmaker(engine)) as session:
-            return issue_api_key(session, "demo-admin", "admin", Actor("cli", "spillway demo"))[1]
-    finally:
-        engine.dispose()
-
-
 DEMO_AGENT = "jetson-berlin-01"  # the seeded agent the local agent plays
 EXPORT_INTERVAL_S = 1.0
 
 
-def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool) -> int:
+def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard_port: int = 0) -> int:
+    from controlplane.story import RULE, Story
     from edge_agent.burst import DEFAULT_MIX, format_report, run_burst
     from edge_agent.runtime.demo_models import build_demo_repository
 
     root = Path(data_dir).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob("demo.db*"):  # a fresh story every run; never the default `spillway.db`
-        stale.unlink()
-    url = f"sqlite:///{root / 'demo.db'}"
-    base, agent_base = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{agent_port}"
-    admin_key = _admin_key(url)
-    env = {**os.environ, "SPILLWAY_DATABASE_URL": url, "SPILLWAY_PORT": str(port), "SPILLWAY_HOST": "127.0.0.1",
-           "SPILLWAY_EVALUATION_INTERVAL_S": "1"}  # fmt: skip
-    cli = [sys.executable, "-m", "controlplane.cli"]
-
-    with ExitStack() as stack:
-        cp_log = root / "controlplane.log"
-        cp = stack.enter_context(_process([*cli, "controlplane", "serve", "--no-migrate"], cp_log, env))
+    with Story(root, port=port, agent_port=agent_port, interval_s=EXPORT_INTERVAL_S) as story:
+        admin_key = story.prepare()
+        base, agent_base = story.base, story.agent_base
         models = build_demo_repository(root / "models")
-        agent_log = root / "agent.log"
         try:
-            _wait_ready(f"{base}/readyz", cp, "control plane", cp_log)
-            with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {admin_key}"}, timeout=10) as client:
+            story.start_control_plane()
+            with story.api() as client:
                 created = seed(client, yaml.safe_load(EXAMPLE_FLEET.read_text()))
                 fleet_status = client.get("/api/v1/status").json()
-            _report_control_plane(base, admin_key, created, fleet_status, cp_log)
+            _report_control_plane(base, admin_key, created, fleet_status, story.cp_log)
             enrolled = next(a for a in created["agents"] if a["agent"]["name"] == DEMO_AGENT)
-            config = _agent_config(root, models, agent_port, base, enrolled["agent"])
-            agent_env = {**env, "SPILLWAY_AGENT_TOKEN": enrolled["token"]}  # not on the command line (ps shows it)
-            agent = stack.enter_context(_process([*cli, "agent", "serve", "--config", str(config)], agent_log,
-                                                 agent_env))  # fmt: skip
-            _wait_ready(f"{agent_base}/v2/health/ready", agent, "edge agent", agent_log)
-        except RuntimeError as exc:
+            story.agent_id, story.agent_token = enrolled["agent"]["id"], enrolled["token"]
+            story.start_agent(models, enrolled["agent"], enrolled["token"])
+            dashboard = _start_dashboard(story, admin_key, dashboard_port)
+        except (RuntimeError, httpx.HTTPError) as exc:
             _say(f"error: {exc}")
             return 1
-        _say(f"Edge agent: {agent_base}  (models: {models}, log: {agent_log})")
-        _say(f"  it plays {DEMO_AGENT}: metrics every {EXPORT_INTERVAL_S:.0f} s to {base}/v1/metrics with its token")
+        if dashboard is not None:
+            _say(
+                f"Dashboard: http://127.0.0.1:{dashboard_port}  (log: {root / 'dashboard.log'}; watch the story there)"
+            )
+        _say(f"Edge agent: {agent_base}  (models: {models}, log: {story.agent_log})")
+        _say(f"  it plays {DEMO_AGENT}: metrics every {EXPORT_INTERVAL_S:.0f} s to {base}/v1/metrics with its token,")
+        _say(f"  policy polled every {EXPORT_INTERVAL_S:.0f} s from {base}/api/v1/agents/{story.agent_id}/policy")
         _say()
         _say("A burst of 1000 requests to mlp v1 from 48 concurrent clients, mixed priorities, as the clients saw it:")
         reports = asyncio.run(run_burst(agent_base, model="mlp", version="1", requests=1000, concurrency=48))
         _say(format_report(reports, DEFAULT_MIX))
         _say()
-        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {admin_key}"}, timeout=10) as client:
-            agent_id = enrolled["agent"]["id"]
+        with story.api() as client:
+            agent_id = story.agent_id
             seen = _wait_for_telemetry(client, agent_id, expected=sum(r.sent for r in reports.values()))
             _say("The same burst as the control plane saw it, from the agent's OpenTelemetry metrics (latency measured")
             _say("inside the agent, so below what the clients saw; percentiles interpolated within histogram buckets):")
@@ -147,29 +92,81 @@ def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool) -> int:
             for slo in created.get("slos", []):
                 _say(format_slo(client.get(f"/api/v1/slos/{slo['id']}/status").json()))
         _say()
-        _say(f"  curl {agent_base}/v2/models/mlp/stats")
+        control_loop_story(story, RULE)
+        _say()
+        _say(f"  curl {agent_base}/v2/spillway/status")
         _say(f'  curl -H "Authorization: Bearer $SPILLWAY_API_KEY" {base}/api/v1/agents/{agent_id}/metrics?window=5m')
+        _say(f'  curl -H "Authorization: Bearer $SPILLWAY_API_KEY" {base}/api/v1/events')
         _say(f"  spillway agent burst --url {agent_base}")
         _say()
         if once:
             return 0
-        _say("Serving until Ctrl-C.")
+        _say("Serving until Ctrl-C (the dashboard, the control plane and the agent).")
+        cp = story.cp
+        assert cp is not None
         signal.signal(signal.SIGTERM, lambda *_: cp.terminate())
         try:
             return cp.wait()
         except KeyboardInterrupt:
             return 0
-    return 0
 
 
-def _agent_config(root: Path, models: Path, port: int, control_plane: str, agent: dict[str, Any]) -> Path:
-    path = root / "agent.yaml"
-    config = {
-        "model_repository": str(models), "port": port, "agent_id": agent["id"], "control_plane": control_plane,
-        "export_interval_s": EXPORT_INTERVAL_S, "device_class": agent["device_class"], "labels": agent["labels"],
-    }  # fmt: skip
-    path.write_text(yaml.safe_dump(config))
-    return path
+def _start_dashboard(story: Any, admin_key: str, port: int) -> Any:
+    """The dashboard beside the story (stopped with it); None when `port` is 0."""
+    if not port:
+        return None
+    from controlplane.story import stop
+    from dashboards import start_dashboard, wait_ready
+
+    proc = start_dashboard(story.base, admin_key, port=port, log_path=story.root / "dashboard.log")
+    story.cleanup.callback(stop, proc)
+    wait_ready(f"http://127.0.0.1:{port}", proc)
+    return proc
+
+
+def control_loop_story(story: Any, rule: dict[str, Any]) -> None:
+    """A load ramp past the rule and back, one line a second, then the events the control loop wrote."""
+    from controlplane.story import Phase
+
+    condition = rule["condition"]
+    _say(f"The control loop: rule '{rule['name']}' switches mlp to its lite variant (v2) while the queue is deeper "
+         f"than {condition['threshold']}")  # fmt: skip
+    _say(f"(recover_after {rule['hysteresis']['recover_after']}). A ramp: 3 s calm, 8 s surge of 32 clients, 14 s calm;"
+         " requests name no version, the policy decides:")  # fmt: skip
+    first_event = max((e["id"] for e in story.events()), default=0)
+    story.add_rule(rule)
+    phases = [Phase("calm", 1, 3), Phase("surge", 32, 8), Phase("calm", 1, 14)]
+    shown = {"n": 0}
+
+    def tick(at: float) -> None:
+        samples = [s for p in phases for s in p.samples]
+        recent = [s for s in samples if at - 1.0 <= s.at < at]
+        versions = ", ".join(f"v{v} {n}" for v, n in sorted(Counter(s.version or f"HTTP {s.status}"
+                                                                     for s in recent).items()))  # fmt: skip
+        phase = next((p.name for p in phases if p.samples and p.samples[-1].at >= at - 1.0), "")
+        try:
+            status = story.agent_status()
+            mlp = status["models"]["mlp"]
+            agent = f"policy v{status['policy']['version']}, serving v{mlp['served_version']}"
+        except (httpx.HTTPError, KeyError):
+            agent = "agent status unavailable"
+        shown["n"] += 1
+        _say(f"  {at:5.1f} s  {phase:5}  answers/s: {versions or '-':24}  agent: {agent}")
+
+    asyncio.run(story.ramp(phases, on_tick=tick))
+    _say()
+    _say("Events from the control loop (GET /api/v1/events):")
+    for event in story.events(first_event):
+        if event["actor"] != "control-loop":
+            continue
+        data = event.get("data") or {}
+        detail = ""
+        if event["kind"].startswith("rule."):
+            observed = data.get("observed", {})
+            detail = f"{data.get('rule')}: {observed.get('metric', '')} {observed.get('value', '')}"
+        elif event["kind"] == "policy.published":
+            detail = f"version {data.get('version')}, causes: {[c['name'] for c in data.get('causes', [])] or 'none'}"
+        _say(f"  {event['ts'][11:19]}  {event['kind']:18} {detail}")
 
 
 def _wait_for_telemetry(client: httpx.Client, agent_id: str, expected: int, deadline_s: float = 20.0) -> Any:

@@ -143,7 +143,9 @@ def test_exactly_one_replica_runs_the_control_loop_and_another_takes_over(postgr
 
 def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:
     port, agent_port = free_port(), free_port()
-    args = ["demo", "--once", "--port", str(port), "--agent-port", str(agent_port), "--data-dir", str(tmp_path)]
+    dashboard_port = free_port()
+    args = ["demo", "--once", "--port", str(port), "--agent-port", str(agent_port), "--data-dir", str(tmp_path),
+            "--dashboard-port", str(dashboard_port)]  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-m", "controlplane.cli", *args],
         env=_env(),
@@ -182,3 +184,9 @@ def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:
                          out.stdout, re.MULTILINE)  # fmt: skip
         assert line, out.stdout
     assert len(re.findall(r"burn rate over 56m: [\d.]+x, over 5m: [\d.]+x \(fires at 14.4x, page\)", out.stdout)) == 2
+    assert f"Dashboard: http://127.0.0.1:{dashboard_port}" in out.stdout
+    # The control loop under a ramp: the rule fires, the agent serves the lite variant, then it recovers.
+    assert re.search(r"surge  answers/s: .*v2 \d+ .*agent: policy v2, serving v2", out.stdout), out.stdout
+    events = re.findall(r"^  \d\d:\d\d:\d\d  (\S+)", out.stdout, re.MULTILINE)
+    assert events == ["rule.fired", "policy.published", "rule.recovered", "policy.published"], out.stdout
+    assert re.search(r"calm   answers/s: v1 \d+ +agent: policy v3, serving v1\n\nEvents", out.stdout), out.stdout

@@ -47,9 +47,10 @@ class AgentSloStatus(SloStatus):
 
 def evaluate(request: Request, session: Session, settings: Settings, slo_id: str) -> Evaluation:
     windows: SloWindows = request.app.state.slo_windows
-    for evaluation in windows.evaluate(session, max_age_s=settings.evaluation_interval_s):
-        if evaluation.spec.id == slo_id:
-            return evaluation
+    for max_age_s in (settings.evaluation_interval_s, 0.0):  # an SLO created since the last refresh: refresh now
+        for evaluation in windows.evaluate(session, max_age_s=max_age_s):
+            if evaluation.spec.id == slo_id:
+                return evaluation
     raise NotFound(f"SLO '{slo_id}' not found")
 
 
