@@ -127,6 +127,45 @@ def test_unsupported_types_and_cardinality_are_reported_as_partial_success(plane
     assert len(plane.rollups("queue")) == 40
 
 
+def test_malformed_points_are_refused_one_by_one_and_the_rest_is_stored(plane: Plane) -> None:
+    """A NaN gauge, an infinite sum, a histogram whose counts do not fit its bounds: each is refused through
+    partial_success (no database stores them faithfully; SQLite would fail the whole export), the rest lands."""
+    message = ExportMetricsServiceRequest()
+    resource = message.resource_metrics.add()
+    attribute = resource.resource.attributes.add()
+    attribute.key, attribute.value.string_value = "service.instance.id", plane.agent_id
+    scope = resource.scope_metrics.add()
+    now = time.time_ns()
+    gauge = scope.metrics.add()
+    gauge.name = "temperature"
+    for value in (float("nan"), 71.5):
+        point = gauge.gauge.data_points.add()
+        point.time_unix_nano, point.as_double = now, value
+        kv = point.attributes.add()
+        kv.key, kv.value.string_value = "sensor", "nan" if value != value else "ok"
+    total = scope.metrics.add()
+    total.name = "spillway.requests"
+    total.sum.aggregation_temporality = 1  # delta
+    infinite = total.sum.data_points.add()
+    infinite.time_unix_nano, infinite.as_double = now, float("inf")
+    histogram = scope.metrics.add()
+    histogram.name = "spillway.request.duration"
+    histogram.histogram.aggregation_temporality = 1
+    broken = histogram.histogram.data_points.add()
+    broken.time_unix_nano, broken.count, broken.sum = now, 3, 0.3
+    broken.explicit_bounds.extend([0.01, 0.1])
+    broken.bucket_counts.extend([1, 2])  # two counts for two bounds: the +Inf bucket is missing
+    headers = {"Authorization": f"Bearer {plane.token}", "Content-Type": "application/x-protobuf"}
+    r = httpx.post(f"{plane.url}/v1/metrics", content=message.SerializeToString(), headers=headers)
+    assert r.status_code == 200, r.text
+    reply = ExportMetricsServiceResponse()
+    reply.ParseFromString(r.content)
+    assert reply.partial_success.rejected_data_points == 3
+    for reason in ("non-finite value", "2 bucket counts for 2 explicit bounds"):
+        assert reason in reply.partial_success.error_message
+    assert [r.last for r in plane.rollups("temperature")] == [71.5]
+
+
 def test_rollups_past_the_retention_are_deleted(sqlite_url: str) -> None:
     from datetime import timedelta
 

@@ -8,7 +8,9 @@ counted and reported back through OTLP's `partial_success`; nothing else is ever
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import threading
 import time
 import zlib
@@ -176,6 +178,11 @@ class Ingestor:
                         data = getattr(metric, kind)
                         cumulative = getattr(data, "aggregation_temporality", 0) == CUMULATIVE
                         for dp in data.data_points:
+                            problem = _malformed(kind, dp)
+                            if problem is not None:
+                                rejected += 1
+                                reasons.add(f"{problem} ({metric.name})")
+                                continue
                             series, attributes = self._series(metric.name, dp.attributes)
                             if series not in known and len(known) >= self.max_series_per_agent:
                                 rejected += 1
@@ -287,6 +294,21 @@ def _rows(agent_id: str, rollups: dict[tuple[str, datetime], _Rollup]) -> list[d
          "buckets": roll.buckets, "bounds": roll.bounds, "last": roll.last, "min": roll.min, "max": roll.max}
         for (series, minute), roll in sorted(rollups.items(), key=lambda item: item[0])
     ]  # fmt: skip
+
+
+def _malformed(kind: str, dp: Any) -> str | None:
+    """Why a data point cannot be stored faithfully (refused through partial_success), or None."""
+    if kind in ("gauge", "sum"):
+        value = dp.as_double if dp.WhichOneof("value") == "as_double" else dp.as_int
+        return None if math.isfinite(value) else "a non-finite value"
+    bounds, counts = dp.explicit_bounds, dp.bucket_counts
+    if counts and len(counts) != len(bounds) + 1:
+        return f"{len(counts)} bucket counts for {len(bounds)} explicit bounds (need one more)"
+    if not all(math.isfinite(b) for b in bounds) or any(a >= b for a, b in itertools.pairwise(bounds)):
+        return "explicit bounds that are not finite and increasing"
+    if not math.isfinite(dp.sum):
+        return "a non-finite sum"
+    return None
 
 
 __all__ = ["IngestResult", "Ingestor", "decode", "prune"]
