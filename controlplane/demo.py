@@ -88,6 +88,7 @@ def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard
             _say("inside the agent, so below what the clients saw; percentiles interpolated within histogram buckets):")
             _say(format_telemetry(seen))
             _say()
+            time.sleep(EXPORT_INTERVAL_S * 1.5)  # SLO figures are at most one evaluation interval old: wait one
             _say("SLOs now (from the same telemetry):")
             for slo in created.get("slos", []):
                 _say(format_slo(client.get(f"/api/v1/slos/{slo['id']}/status").json()))
