@@ -54,6 +54,7 @@ sys.path.insert(0, str(BENCH))
 
 from load import OpenLoopResult, ceiling, free_port, run_open_subprocess, start_noop_server  # noqa: E402
 from naive_server import session_options  # noqa: E402
+from procstat import cpu_seconds, loadavg, machine_busy_seconds, vm_hwm  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 MLSERVER_VENV = BENCH / ".mlserver-venv"
@@ -88,31 +89,6 @@ def descendants(pid: int) -> list[int]:
         found.append(current)
         todo.extend(children.get(current, []))
     return found
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """user + system CPU seconds of these processes (all their threads)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
-
-
-def vm_hwm(pid: int) -> int:
-    """Peak resident set size in bytes (VmHWM), 0 if the process is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def http_json(url: str, body: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 30) -> Any:
@@ -360,13 +336,6 @@ class Point:
     other_cpu_cores: float  # busy CPU of everything else on the machine (not this server, not wrk): the noise
 
 
-def machine_busy_seconds() -> float:
-    """Busy CPU seconds of the whole machine so far (all cores), from /proc/stat."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def closed_point(server: Server, lua: Path, concurrency: int, warmup_s: int, seconds: int, rnd: int) -> Point:
     run_wrk(server.url(), lua, concurrency, warmup_s)
     before = server.batches()
@@ -555,10 +524,6 @@ def machine() -> dict[str, str]:
         "fastapi": importlib.metadata.version("fastapi"),
         "wrk": wrk_version.strip(),
     }
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def make_bodies(work: Path, x: np.ndarray) -> dict[str, Path]:

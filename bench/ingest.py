@@ -66,6 +66,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT))
 
 from load import free_port  # noqa: E402
+from procstat import cpu_seconds, loadavg, machine_busy_seconds, vm_hwm  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 BEGIN = "<!-- bench/ingest.py: begin (generated; edit outside these markers) -->"
@@ -161,37 +162,6 @@ def parse_args(argv: list[str]) -> Settings:
 
 
 # ---- processes and CPU ----------------------------------------------------------------------------
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """user + system CPU seconds of these processes (all their threads); gone processes count 0."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
-
-
-def machine_busy_seconds() -> float:
-    """Busy CPU seconds of the whole machine so far (all cores), from /proc/stat."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def vm_hwm(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def spillway(*args: str, env: dict[str, str]) -> str:
@@ -855,10 +825,6 @@ def postgres_version(settings: Settings) -> str:
             return str(conn.execute(text("SHOW server_version")).scalar())
     finally:
         engine.dispose()
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def render(settings: Settings, info: dict[str, str], started: dt.datetime, elapsed: float,

@@ -24,10 +24,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.load import free_port
 from bench.slo_eval import run as evaluator_run
 from controlplane.story import INTERVAL_S, RULE, Phase, Story
 from edge_agent.runtime.demo_models import build_demo_repository
-from tests.utils.server import free_port
 
 MARK_BEGIN, MARK_END = "<!-- bench/reaction.py: begin -->", "<!-- bench/reaction.py: end -->"
 

@@ -25,7 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.db.models import MetricRollup
-from controlplane.slo.maths import error_budget
+from controlplane.slo.maths import Counts, burn_rate
 from controlplane.slo.windows import SloWindows
 
 GAUGE_METRICS = ("spillway.queue.depth", "hw.gpu.memory.usage", "hw.gpu.memory.limit", "hw.gpu.utilization",
@@ -149,10 +149,7 @@ class Observer:
             return Seen(False, {**numbers, "error": "the SLO does not select this agent"})
         column = found[0][agent]
         objective = self.windows.objective(slo_id)
-        rates = []
-        for sums in found[1]:
-            good, total = float(sums[0, column]), float(sums[1, column])
-            rates.append(None if total <= 0 else (total - good) / total / error_budget(objective))
+        rates = [burn_rate(Counts(float(sums[0, column]), float(sums[1, column])), objective) for sums in found[1]]
         short_total = float(found[1][1][1, column])
         numbers.update(long_burn_rate=rates[0], short_burn_rate=rates[1], requests_short=short_total)
         met = (rates[0] is not None and rates[1] is not None and short_total >= condition.get("min_requests", 0)

@@ -33,7 +33,8 @@ class Active:
     since: datetime | None
 
 
-def _level(action: dict[str, Any], step: int) -> int:
+def stepped_level(action: dict[str, Any], step: int) -> int:
+    """The level a shed or fallback covers from after `step` recovery steps (one level fewer each)."""
     return min(64, int(action["priority_at_or_below"]) + step)
 
 
@@ -53,7 +54,7 @@ def compose(agent_id: str, active: list[Active], *, buckets_ms: list[float], exp
         elif kind == "switch_variant":
             entry.setdefault("variant", int(action["version"]))
         elif kind == "shed":
-            level = _level(action, item.step)
+            level = stepped_level(action, item.step)
             current = entry.get("shed")
             retry = int(action.get("retry_after_s", 5))
             if current is None or level < current["at_or_below"]:
@@ -64,7 +65,7 @@ def compose(agent_id: str, active: list[Active], *, buckets_ms: list[float], exp
             else:
                 current["retry_after_s"] = max(current["retry_after_s"], retry)
         elif kind == "fallback":
-            level = _level(action, item.step)
+            level = stepped_level(action, item.step)
             current = entry.get("fallback")
             if current is None or level < current["at_or_below"]:
                 fallback: dict[str, Any] = {"at_or_below": level, "mode": action.get("mode", "cache")}
@@ -99,4 +100,4 @@ def same_content(stored: dict[str, Any], content: dict[str, Any]) -> bool:
         return False
 
 
-__all__ = ["Active", "compose", "document", "same_content"]
+__all__ = ["Active", "compose", "document", "same_content", "stepped_level"]

@@ -29,7 +29,16 @@ from sqlalchemy import String, select, type_coerce
 from sqlalchemy.orm import Session
 
 from controlplane.db.models import Agent, MetricRollup, Rule, Slo, utcnow
-from controlplane.slo.maths import GOOD_OUTCOMES, error_budget, good_under_threshold
+from controlplane.slo.maths import (
+    GOOD_OUTCOMES,
+    Counts,
+    budget_remaining,
+    burn_rate,
+    error_budget,
+    firing,
+    good_under_threshold,
+    sli,
+)
 
 FINE_MINUTES = 6 * 60  # minute resolution this far back
 REREAD_MINUTES = 1  # minutes before the current one re-read on every refresh (exports may still add to them)
@@ -191,25 +200,19 @@ class Evaluation:
         columns: Any = slice(None)
         if agent is not None:
             columns = [self._column[agent]] if agent in self._column else []
-        budget = error_budget(self.spec.objective)
+        objective = self.spec.objective
 
-        def total_of(sums: np.ndarray) -> tuple[float, float]:
-            return float(sums[0, columns].sum()), float(sums[1, columns].sum())
+        def counts_of(sums: np.ndarray) -> Counts:
+            return Counts(float(sums[0, columns].sum()), float(sums[1, columns].sum()))
 
-        def rate_of(sums: np.ndarray) -> float | None:
-            good, total = total_of(sums)
-            return None if total <= 0 else (total - good) / total / budget
-
-        good, total = total_of(self.window)
-        rate = rate_of(self.window)
+        window = counts_of(self.window)
         alerts = []
         for pair, long, short in self.alerts:
-            long_rate, short_rate = rate_of(long), rate_of(short)
+            long_rate, short_rate = burn_rate(counts_of(long), objective), burn_rate(counts_of(short), objective)
             alerts.append({
                 "long": pair["long"], "short": pair["short"], "threshold": pair["burn_rate"],
                 "severity": pair.get("severity", "page"), "long_burn_rate": long_rate, "short_burn_rate": short_rate,
-                "firing": long_rate is not None and short_rate is not None
-                and long_rate >= pair["burn_rate"] and short_rate >= pair["burn_rate"],
+                "firing": firing(long_rate, short_rate, pair["burn_rate"]),
             })  # fmt: skip
         return {
             "slo": self.spec.id,
@@ -217,11 +220,11 @@ class Evaluation:
             "agents": len(self.agents) if agent is None else len(columns),
             "window": self.spec.window,
             "objective": self.spec.objective,
-            "sli": good / total if total > 0 else None,
-            "good": good,
-            "total": total,
-            "error_budget": budget,
-            "budget_remaining": None if rate is None else 1.0 - rate,
+            "sli": sli(window),
+            "good": window.good,
+            "total": window.total,
+            "error_budget": error_budget(objective),
+            "budget_remaining": budget_remaining(window, objective),
             "alerts": alerts,
             "evaluated_at": self.at,
         }
