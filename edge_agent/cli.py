@@ -56,7 +56,11 @@ def serve(
     except (ModelConfigError, RunnerError, GpuMemoryError) as exc:
         typer.echo(f"error: cannot load the model repository: {exc}", err=True)
         raise typer.Exit(2) from None
-    serve(agent, registry=registry, log_level=log_level)
+    try:
+        serve(agent, registry=registry, log_level=log_level)
+    except ModelConfigError as exc:  # settings that do not fit the models (overflow defaults, async models)
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @models_app.command("build-demo")

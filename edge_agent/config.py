@@ -6,12 +6,64 @@ import ipaddress
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from edge_agent.telemetry.metrics import DEFAULT_LATENCY_BUCKETS_MS, TelemetrySettings
+
+
+class BreakerSettings(BaseModel):
+    """The overflow circuit breaker, in Sentinel's terms (edge_agent/overflow/breaker.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    slow_rt_ms: float = Field(default=1000.0, gt=0, description="an overflowed request slower than this is slow")
+    slow_ratio: float | None = Field(default=0.5, gt=0, le=1, description="open above this share slow (null: never)")
+    error_ratio: float | None = Field(default=0.5, gt=0, le=1, description="open above this share failed (null: never)")
+    min_requests: int = Field(default=5, ge=1, description="judge no window with fewer requests than this")
+    stat_interval_s: float = Field(default=10.0, gt=0, description="the sliding window the ratios are over")
+    open_s: float = Field(default=5.0, gt=0, description="how long an open breaker refuses before one probe")
+
+
+class OverflowSettings(BaseModel):
+    """Where the requests this agent will not serve go (the control plane's gateway), and what answers when the
+    cloud cannot: the fallback chain cache -> default outputs -> async queue -> 503."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        default=False, description="overflow predicted deadline misses without a policy saying so (a policy wins)"
+    )
+    fraction: float = Field(default=0.0, ge=0, le=1, description="with enabled: overflow this share of the rest too")
+    at_or_below: int | None = Field(
+        default=None, ge=1, le=64, description="with enabled: overflow every request at this priority level or lower"
+    )
+    gateway: str | None = Field(default=None, description="gateway base URL; default: the control plane")
+    max_in_flight: int = Field(default=256, ge=1, le=65536, description="requests overflowing at once, at most")
+    default_timeout_s: float = Field(default=30.0, gt=0, le=3600, description="for requests without a deadline")
+    breaker: BreakerSettings = Field(default_factory=BreakerSettings)
+    default_outputs: dict[str, list[dict[str, Any]]] = Field(
+        default_factory=dict, description="model -> V2 output tensors answered as fallback_default"
+    )
+    cache_ttl_s: float | None = Field(
+        default=300.0, gt=0, description="answers older than this are not served as fallback_cache (None: no limit)"
+    )
+
+
+class AsyncJobSettings(BaseModel):
+    """The async queue: requests to these models that neither the device nor the cloud can serve now are accepted
+    (202 and a job id), kept on disk, run when the device has room, and fetched at /spillway/v1/jobs/{id}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[str] = Field(default_factory=list, description="models whose requests may be answered later")
+    max_jobs: int = Field(default=1000, ge=1, le=1_000_000, description="queued and running jobs, at most")
+    ttl_s: float = Field(default=3600.0, gt=0, description="a job not run within this long expires")
+    drain_below: float = Field(
+        default=0.5, gt=0, le=4, description="run jobs while the model's utilisation is below this"
+    )
 
 
 class AgentConfig(BaseModel):
@@ -66,6 +118,28 @@ class AgentConfig(BaseModel):
     load_headroom_bytes: int = Field(
         default=256 << 20, ge=0, description="memory that must stay free when a variant loads beside a version"
     )
+    # Overflow to the cloud and the fallbacks behind it.
+    role: Literal["edge", "cloud"] = Field(
+        default="edge", description="cloud: a backend behind the gateway; it never overflows itself"
+    )
+    overflow: OverflowSettings = Field(default_factory=OverflowSettings)
+    async_jobs: AsyncJobSettings = Field(default_factory=AsyncJobSettings)
+
+    @model_validator(mode="after")
+    def _overflow_fits_the_role(self) -> AgentConfig:
+        if self.role == "cloud" and (self.overflow.enabled or self.overflow.gateway):
+            raise ValueError("role cloud: a cloud backend never overflows (remove overflow.enabled / overflow.gateway)")
+        if self.overflow.enabled and self.overflow.gateway is None and self.control_plane is None:
+            raise ValueError("overflow.enabled needs a gateway: set overflow.gateway or control_plane")
+        if self.overflow.gateway is not None and self.agent_token is None:
+            raise ValueError("overflow.gateway needs agent_token: the gateway serves enrolled agents only")
+        return self
+
+    def gateway(self) -> str | None:
+        """Where overflow goes (None: nowhere; cloud agents and agents without a control plane)."""
+        if self.role == "cloud":
+            return None
+        return self.overflow.gateway or self.control_plane
 
     @model_validator(mode="after")
     def _telemetry_needs_a_token(self) -> AgentConfig:

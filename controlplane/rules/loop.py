@@ -25,7 +25,7 @@ from controlplane.db.models import Agent, Policy, Rule, RuleState, Slo, utcnow
 from controlplane.db.repository import Actor, record_event
 from controlplane.rules.engine import Hysteresis, State, Transition, advance
 from controlplane.rules.observe import Observer, Seen, read_gauges, selected
-from controlplane.rules.policy import Active, compose, document, same_content, stepped_level
+from controlplane.rules.policy import Active, compose, document, same_content, stepped_action
 from controlplane.slo.windows import SloWindows
 
 log = logging.getLogger("spillway.controlplane.loop")
@@ -132,9 +132,7 @@ class ControlLoop:
     def _record(self, session: Session, rule: Rule, agent: Agent, transition: Transition, seen: Seen,
                 now: datetime) -> dict[str, Any]:  # fmt: skip
         kind = f"rule.{'would_' if rule.dry_run else ''}{transition.kind}"
-        action = dict(rule.action)
-        if action.get("kind") in ("shed", "fallback") and transition.state.active:
-            action["priority_at_or_below"] = stepped_level(action, transition.state.step)
+        action = stepped_action(rule.action, transition.state.step) if transition.state.active else dict(rule.action)
         data = {
             "rule": rule.name, "agent": agent.name, "condition": rule.condition, "observed": seen.numbers,
             "action": action if transition.state.active else None, "state": transition.state.state,

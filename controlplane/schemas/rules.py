@@ -88,6 +88,29 @@ class TuneBatchingAction(Strict):
         return self
 
 
+class OverflowAction(Strict):
+    """Send to the cloud (the control plane's gateway) what the agent should not serve itself. `deadline`: only
+    requests predicted to miss their deadline; `fraction`: that too, plus this share of the rest; `priority`: that
+    too, plus every request at `priority_at_or_below` or a lower priority (a larger number)."""
+
+    kind: Literal["overflow"]
+    mode: Literal["deadline", "fraction", "priority"] = "deadline"
+    fraction: float | None = Field(default=None, gt=0, le=1, description="mode fraction: the share sent")
+    priority_at_or_below: int | None = Field(default=None, ge=1, le=64, description="mode priority: the level")
+
+    @model_validator(mode="after")
+    def _mode_has_its_parameter(self) -> OverflowAction:
+        if self.mode == "fraction" and self.fraction is None:
+            raise ValueError("overflow mode 'fraction' needs fraction (0 < fraction <= 1)")
+        if self.mode == "priority" and self.priority_at_or_below is None:
+            raise ValueError("overflow mode 'priority' needs priority_at_or_below")
+        if self.mode != "fraction" and self.fraction is not None:
+            raise ValueError(f"fraction is for mode 'fraction', not {self.mode!r}")
+        if self.mode != "priority" and self.priority_at_or_below is not None:
+            raise ValueError(f"priority_at_or_below is for mode 'priority', not {self.mode!r}")
+        return self
+
+
 class SwitchVariantAction(Strict):
     kind: Literal["switch_variant"]
     version: int = Field(ge=1, description="the model version to serve instead, e.g. the lite one")
@@ -117,10 +140,10 @@ class FallbackAction(Strict):
 
 
 Action = Annotated[
-    TuneBatchingAction | SwitchVariantAction | ShedAction | FallbackAction,
+    TuneBatchingAction | OverflowAction | SwitchVariantAction | ShedAction | FallbackAction,
     Field(discriminator="kind"),
 ]
-ACTION_LADDER = ("tune_batching", "switch_variant", "shed", "fallback")
+ACTION_LADDER = ("tune_batching", "overflow", "switch_variant", "shed", "fallback")
 """Actions from mildest to harshest: the order in which several rules on one agent compose."""
 
 
@@ -129,7 +152,10 @@ class Hysteresis(Strict):
     recover_after: Duration = Field(default=0, description="clear this long before reverting")
     recovery_steps: int = Field(
         default=1, ge=1, le=64,
-        description="revert in this many steps, each after recover_after clear (shed: one level fewer per step)",
+        description=(
+            "revert in this many steps, each after recover_after clear (shed, fallback, overflow by priority: one "
+            "level fewer per step; overflow by fraction: half the share per step)"
+        ),
     )  # fmt: skip
     max_flaps_per_hour: int = Field(
         default=4, ge=1, le=1000,

@@ -2,16 +2,19 @@
 
 The cache is filled from normal successful answers and read only while a policy says to answer a priority level
 with a fallback. Its key is the model, the version that served, and every input's name, datatype, shape and bytes:
-an answer is reused only for exactly the same request to exactly the same model version. Everything here runs on
-the event loop, so nothing is locked.
+an answer is reused only for exactly the same request to exactly the same model version. With a `ttl_s`, an answer
+is served only that long after it was stored (reading it does not make it fresher). Everything here runs on the
+event loop, so nothing is locked.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
+import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -51,14 +54,27 @@ def _size(outputs: Mapping[str, np.ndarray]) -> int:
 class ResponseCache:
     """Recent successful answers by `inputs_key`, at most `capacity_bytes` in all; least recently used go first."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(
+        self, capacity_bytes: int, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """Args:
+        capacity_bytes: the bound on the outputs kept (with an estimate of each entry's overhead); 0 disables it.
+        ttl_s: how long after it was stored an answer may be served; None: until it is evicted.
+        clock: seconds, monotonic.
+        """
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if ttl_s is not None and not (math.isfinite(ttl_s) and ttl_s > 0):
+            raise ValueError(f"ttl_s must be a positive number of seconds or None, got {ttl_s}")
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[bytes, tuple[dict[str, np.ndarray], int]] = OrderedDict()
+        self.ttl_s = ttl_s
+        self._clock = clock
+        # key -> (outputs, size, stored_at)
+        self._entries: OrderedDict[bytes, tuple[dict[str, np.ndarray], int, float]] = OrderedDict()
         self.bytes = 0
         self.hits = 0
         self.misses = 0
+        self.expired = 0
 
     @property
     def enabled(self) -> bool:
@@ -76,29 +92,36 @@ class ResponseCache:
         if old is not None:
             self.bytes -= old[1]
         while self._entries and self.bytes + size > self.capacity_bytes:
-            _, (_, evicted) = self._entries.popitem(last=False)
+            _, (_, evicted, _) = self._entries.popitem(last=False)
             self.bytes -= evicted
         kept: dict[str, np.ndarray] = {}
         for name, array in outputs.items():
             copy = np.array(array, copy=True)
             copy.flags.writeable = False
             kept[name] = copy
-        self._entries[key] = (kept, size)
+        self._entries[key] = (kept, size, self._clock() if self.ttl_s is not None else 0.0)
         self.bytes += size
         return True
 
     def get(self, key: bytes) -> dict[str, np.ndarray] | None:
+        """The outputs stored for `key`, now the most recently used; None when absent or older than `ttl_s`."""
         found = self._entries.get(key)
         if found is None:
+            self.misses += 1
+            return None
+        if self.ttl_s is not None and self._clock() - found[2] >= self.ttl_s:
+            del self._entries[key]
+            self.bytes -= found[1]
+            self.expired += 1
             self.misses += 1
             return None
         self._entries.move_to_end(key)
         self.hits += 1
         return found[0]
 
-    def json(self) -> dict[str, int]:
+    def json(self) -> dict[str, int | float | None]:
         return {"capacity_bytes": self.capacity_bytes, "bytes": self.bytes, "entries": len(self._entries),
-                "hits": self.hits, "misses": self.misses}  # fmt: skip
+                "hits": self.hits, "misses": self.misses, "expired": self.expired, "ttl_s": self.ttl_s}  # fmt: skip
 
 
 def default_answer(outputs: Mapping[str, np.ndarray], rows: int, batching: bool) -> dict[str, np.ndarray]:

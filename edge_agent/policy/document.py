@@ -6,7 +6,8 @@ a document the agent would refuse, and an agent refuses a malformed one and keep
 
 A document says, per model (key `*`: every model the agent serves, overridden field by field by a model's own
 entry), what to change from the model's configuration: batching parameters, the variant (version) to serve,
-which priority levels to shed or answer with a fallback. A field left out (null) means "as configured".
+which priority levels to overflow to the control plane's gateway, shed or answer with a fallback. A field left
+out (null) means "as configured".
 """
 
 from __future__ import annotations
@@ -50,10 +51,22 @@ class Shed(_Strict):
     retry_after_s: int = Field(default=5, ge=1, le=3600)
 
 
+class Overflow(_Strict):
+    """Send to the control plane's gateway (the cloud) what the agent should not serve itself.
+
+    Always: a request that admission predicts will miss its deadline (instead of refusing it). On top of that,
+    `fraction` of the other requests, and every request at priority level `at_or_below` or any larger number.
+    """
+
+    fraction: float = Field(default=0.0, ge=0.0, le=1.0, description="share of the remaining traffic sent too")
+    at_or_below: int | None = Field(default=None, ge=1, le=64, description="send every request at this level or lower")
+
+
 class ModelPolicy(_Strict):
     variant: int | None = Field(default=None, ge=1, description="serve this version for the model's traffic")
     max_queue_delay_us: int | None = Field(default=None, ge=0, le=10_000_000)
     preferred_batch_sizes: list[Annotated[int, Field(gt=0, le=65536)]] | None = Field(default=None, max_length=16)
+    overflow: Overflow | None = None
     shed: Shed | None = None
     fallback: Fallback | None = None
 
@@ -104,4 +117,4 @@ def parse(body: bytes | str) -> PolicyDocument:
     return PolicyDocument.model_validate_json(body)
 
 
-__all__ = ["ALL_MODELS", "Cause", "Fallback", "ModelPolicy", "PolicyDocument", "Shed", "parse"]
+__all__ = ["ALL_MODELS", "Cause", "Fallback", "ModelPolicy", "Overflow", "PolicyDocument", "Shed", "parse"]

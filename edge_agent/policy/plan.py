@@ -18,13 +18,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from edge_agent.policy.document import Fallback, PolicyDocument, Shed
+from edge_agent.policy.document import Fallback, Overflow, PolicyDocument, Shed
 from edge_agent.runtime.repository import UnknownModelError, version_on_disk
 from edge_agent.runtime.spec import ModelConfig, ModelVersion
 from edge_agent.serving.tensors import TensorError, decode_json_tensor
 
 Source = Literal["control_plane", "cache", "local"]
-Admission = Literal["serve", "shed", "fallback"]
+Admission = Literal["serve", "overflow", "shed", "fallback"]
 
 
 class PolicyRefused(ValueError):
@@ -39,6 +39,7 @@ class ServedModel:
     default_version: int
     configured_versions: tuple[int, ...]
     repository: Path
+    overflow: Overflow | None = None  # the agent's own setting, where no document says otherwise
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,20 @@ class ModelPlan:
     shed: Shed | None = None
     fallback: Fallback | None = None
     default_outputs: Mapping[str, np.ndarray] | None = None  # mode `default`: one row (unit) per output
+    overflow: Overflow | None = None  # None: never sent to the gateway
 
-    def admission(self, level: int) -> Admission:
-        """What happens to a request at priority level `level` (1 highest) on arrival."""
+    def admission(self, level: int, draw: float = 1.0) -> Admission:
+        """What happens to a request at priority level `level` (1 highest) on arrival; `draw` is uniform in [0, 1)
+        and decides the overflow `fraction`. `serve` with overflow on still overflows a predicted deadline miss."""
         if self.fallback is not None and level >= self.fallback.at_or_below:
             return "fallback"
         if self.shed is not None and level >= self.shed.at_or_below:
             return "shed"
+        overflow = self.overflow
+        if overflow is not None and (
+            (overflow.at_or_below is not None and level >= overflow.at_or_below) or draw < overflow.fraction
+        ):
+            return "overflow"
         return "serve"
 
     def json(self) -> dict[str, Any]:
@@ -67,6 +75,7 @@ class ModelPlan:
             fallback = {"at_or_below": self.fallback.at_or_below, "mode": self.fallback.mode}
         return {
             "variant": None if self.variant is None else self.variant.version,
+            "overflow": None if self.overflow is None else self.overflow.model_dump(),
             "shed": None if self.shed is None else self.shed.model_dump(),
             "fallback": fallback,
         }
@@ -99,7 +108,7 @@ class Plan:
 
 def local_plan(served: Mapping[str, ServedModel]) -> Plan:
     """The agent as configured, with no policy document."""
-    return Plan(models={name: ModelPlan(name) for name in served})
+    return Plan(models={name: ModelPlan(name, overflow=model.overflow) for name, model in served.items()})
 
 
 def build_plan(document: PolicyDocument, source: Source, served: Mapping[str, ServedModel]) -> Plan:
@@ -119,8 +128,11 @@ def build_plan(document: PolicyDocument, source: Source, served: Mapping[str, Se
                                      explicit=own is not None)  # fmt: skip
         defaults = None
         if policy.fallback is not None and policy.fallback.mode == "default":
-            defaults = _default_outputs(where, model.config, policy.fallback.default_outputs or [])
-        models[name] = ModelPlan(name, variant, delay, preferred, policy.shed, policy.fallback, defaults)
+            defaults = validate_default_outputs(
+                f"{where}.fallback", model.config, policy.fallback.default_outputs or []
+            )
+        overflow = policy.overflow if policy.overflow is not None else model.overflow
+        models[name] = ModelPlan(name, variant, delay, preferred, policy.shed, policy.fallback, defaults, overflow)
     return Plan(source, document, models)
 
 
@@ -145,13 +157,14 @@ def _batching(
     return delay_us, None if preferred is None else tuple(sorted(set(preferred)))
 
 
-def _default_outputs(where: str, config: ModelConfig, raw: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-    """The default outputs as arrays of one row each (the whole tensor for a model that does not batch)."""
+def validate_default_outputs(where: str, config: ModelConfig, raw: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """The default outputs as arrays of one row each (the whole tensor for a model that does not batch);
+    PolicyRefused names what does not fit the model (`where` prefixes the message)."""
     specs = {spec.name: spec for spec in config.outputs}
     batching = config.max_batch_size > 0
     found: dict[str, np.ndarray] = {}
     for index, item in enumerate(raw):
-        label = f"{where}.fallback.default_outputs[{index}]"
+        label = f"{where}.default_outputs[{index}]"
         try:
             tensor = decode_json_tensor(item, index, kind="default output")
         except TensorError as exc:
@@ -174,5 +187,5 @@ def _default_outputs(where: str, config: ModelConfig, raw: list[dict[str, Any]])
         found[tensor.name] = array
     missing = sorted(set(specs) - set(found))
     if missing:
-        raise PolicyRefused(f"{where}.fallback.default_outputs: output(s) {missing} of the model are missing")
+        raise PolicyRefused(f"{where}.default_outputs: output(s) {missing} of the model are missing")
     return found

@@ -195,6 +195,13 @@ class Scheduler:
             self._last_arrival = now
         return None
 
+    @property
+    def utilisation(self) -> float:
+        """Running batches plus queued requests counted in full batches, per instance (0: idle; 1: every instance
+        busy and nothing waiting, or the equivalent)."""
+        queued_batches = self._queued / self.config.max_batch_size
+        return (len(self._running) + queued_batches) / self.config.instances
+
     def _retry_after(self, level: int, now: float) -> float:
         return max(1.0, math.ceil(self.predict_completion(level, 0, now)))
 

@@ -58,6 +58,12 @@ class ModelStats:
         (self.success if outcome == "local" else self.fail).add(total_s)
         self.queue.add(queue_s)
 
+    def answered(self, priority: int, outcome: str, total_s: float) -> None:
+        """A request answered without running here (overflow, a fallback, a job accepted): outcome and duration."""
+        self.outcome(priority, outcome)
+        if self.listener is not None:
+            self.listener.durations(priority, outcome, 0.0, 0.0, total_s)
+
     def batch(self, rows: int, compute_s: float, ok: bool) -> None:
         if self.listener is not None:
             self.listener.batch(rows, compute_s, ok)

@@ -53,6 +53,7 @@ class _Job:
     future: asyncio.Future[Served]
     priority: int
     dispatched: float = 0.0
+    counted: bool = True  # False: its outcome is counted elsewhere (an async job accepted earlier)
 
 
 @dataclass(eq=False)
@@ -105,27 +106,53 @@ class ModelWorker:
 
     async def infer(self, inputs: dict[str, np.ndarray], rows: int, priority: int, timeout_s: float | None) -> Served:
         """Queue one request and wait for its result. Raises Refused, ExecutionFailed or ValueError (bad priority)."""
+        return await self.admit(inputs, rows, priority, timeout_s)
+
+    def admit(
+        self,
+        inputs: dict[str, np.ndarray],
+        rows: int,
+        priority: int,
+        timeout_s: float | None,
+        *,
+        count_refused: bool = True,
+        counted: bool = True,
+    ) -> asyncio.Future[Served]:
+        """Queue one request now (no await in between), or raise Refused at once; the future is its result.
+
+        count_refused=False: a refusal here is not counted, because the caller gives the request another outcome
+        (overflow) or counts it itself; counted=False: its outcome is not counted at all (a job the agent accepted,
+        and counted, earlier). Raises Refused or ValueError (bad priority); the future may fail with
+        Refused (timed out in the queue) or ExecutionFailed.
+        """
         self._loop = self._loop or asyncio.get_running_loop()
         now = self._clock()
         level = self.scheduler.resolve_level(priority)
-        job = _Job(inputs, self._loop.create_future(), level)
+        job = _Job(inputs, self._loop.create_future(), level, counted=counted)
         deadline = self.scheduler.deadline_for(level, now, timeout_s)
         shape = tuple((name, a.shape[1:]) for name, a in inputs.items()) if self.batching else None
         pending = Pending(rows=rows, level=level, arrival=now, deadline=deadline, payload=job, shape=shape)
         refused = self.scheduler.admit(pending, now)
         if refused is not None:
-            self.stats.outcome(level, "rejected")
+            if count_refused and counted:
+                self.stats.outcome(level, "rejected")
             raise Refused(refused)
         self._idle.clear()
         self._pump()
-        return await job.future
+        return job.future
+
+    @property
+    def utilisation(self) -> float:
+        """How busy the model is: running batches plus queued requests (in batches), per instance."""
+        return self.scheduler.utilisation
 
     def _pump(self) -> None:
         now = self._clock()
         step = self.scheduler.step(now)
         for pending in step.expired:
             job = pending.payload
-            self.stats.request(job.priority, "rejected", now - pending.arrival, 0.0, now - pending.arrival)
+            if job.counted:
+                self.stats.request(job.priority, "rejected", now - pending.arrival, 0.0, now - pending.arrival)
             if not job.future.done():
                 waited = (now - pending.arrival) * 1e3
                 job.future.set_exception(
@@ -199,12 +226,14 @@ class ModelWorker:
             job: _Job = pending.payload
             queue_s = job.dispatched - pending.arrival
             if result.error is not None:
-                self.stats.request(job.priority, "error", queue_s, result.compute_s, now - pending.arrival)
+                if job.counted:
+                    self.stats.request(job.priority, "error", queue_s, result.compute_s, now - pending.arrival)
                 if not job.future.done():
                     job.future.set_exception(ExecutionFailed(f"inference failed: {result.error}"))
                 continue
             assert result.outputs is not None
-            self.stats.request(job.priority, "local", queue_s, result.compute_s, now - pending.arrival)
+            if job.counted:
+                self.stats.request(job.priority, "local", queue_s, result.compute_s, now - pending.arrival)
             if not job.future.done():
                 job.future.set_result(Served(result.outputs[i], queue_s, result.compute_s, batch.rows))
         self._pump()

@@ -7,14 +7,19 @@ import asyncio
 import hmac
 import json
 import logging
+import random
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from edge_agent import __version__
 from edge_agent.overflow.fallback import ResponseCache, default_answer, inputs_key
+from edge_agent.overflow.forward import Forwarded, Forwarder
+from edge_agent.overflow.jobs import QueueFull
 from edge_agent.runtime.repository import UnknownModelError
 from edge_agent.runtime.spec import ModelConfig
 from edge_agent.scheduling.worker import ExecutionFailed, Refused
@@ -27,9 +32,11 @@ from edge_agent.serving.tensors import (
     encode_error,
     encode_response,
     validate_inputs,
+    with_parameters,
 )
 
 if TYPE_CHECKING:
+    from edge_agent.overflow.queue import AsyncQueue
     from edge_agent.policy.plan import ModelPlan
 
 log = logging.getLogger("spillway.agent")
@@ -44,6 +51,9 @@ _INLINE_ELEMENTS = 64 << 10  # outputs up to this many elements are encoded on t
 
 # A request refused because its fallback found no cached answer is told to come back after this long.
 FALLBACK_MISS_RETRY_AFTER_S = 5
+# Admission refusals that overflow turns into a trip to the cloud (the device cannot serve them in time).
+OVERFLOWING = frozenset({"deadline_unmeetable", "queue_full"})
+JOBS_PREFIX = "/spillway/v1/jobs/"
 
 
 class PolicyGate(Protocol):
@@ -73,11 +83,17 @@ class InferenceApp:
         policy: PolicyGate | None = None,
         responses: ResponseCache | None = None,
         status: Callable[[], dict[str, Any]] | None = None,
+        forwarder: Forwarder | None = None,
+        default_outputs: dict[str, dict[str, np.ndarray]] | None = None,
+        jobs: AsyncQueue | None = None,
     ) -> None:
         """Args beyond the obvious:
-        policy: shed, fallback and variant decisions per model (None: serve everything as configured).
+        policy: overflow, shed, fallback and variant decisions per model (None: serve everything as configured).
         responses: recent successful answers, filled on every success and read by `cache` fallbacks.
         status: the body of `GET /v2/spillway/status`.
+        forwarder: overflow to the control plane's gateway (None: nowhere to overflow to).
+        default_outputs: per model, the outputs (one row each) answered as `fallback_default` when overflow fails.
+        jobs: the async queue, the last fallback when overflow fails, for the models it accepts.
         """
         self.registry = registry
         self.token = token.encode() if token else None
@@ -86,6 +102,10 @@ class InferenceApp:
         self.policy = policy
         self.responses = responses if responses is not None and responses.enabled else None
         self.status = status
+        self.forwarder = forwarder
+        self.default_outputs = default_outputs or {}
+        self.jobs = jobs
+        self._draw = random.Random().random  # noqa: S311 (overflow fractions, not secrets)
         self.ready = True
         self.unrouted: Counter[str] = Counter()  # infer requests for models that do not exist
         # Run at lifespan startup (before the first request: the cached policy, the poller) and shutdown.
@@ -109,6 +129,8 @@ class InferenceApp:
         try:
             if method == "POST" and path.endswith("/infer"):
                 await self._infer(path, headers, receive, send)
+            elif method in ("GET", "HEAD") and path.startswith(JOBS_PREFIX):
+                await self._job(path[len(JOBS_PREFIX) :], send)
             elif method in ("GET", "HEAD"):
                 await self._get(path, send)
             else:
@@ -208,6 +230,21 @@ class InferenceApp:
             "outputs": tensors(config.outputs),
         }
 
+    async def _job(self, job_id: str, send: Send) -> None:
+        """`GET /spillway/v1/jobs/{id}`: an async job's status, and its answer once done."""
+        if self.jobs is None:
+            await _respond(send, 404, encode_error("this agent has no async queue (agent config async_jobs.models)"))
+            return
+        job = await self.jobs.get(job_id) if 0 < len(job_id) <= 128 and "/" not in job_id else None
+        if job is None:
+            await _respond(send, 404, encode_error(f"no job {job_id!r} (unknown, or expired and removed)"))
+            return
+        body = job.json()
+        extra = [(b"spillway-job-status", job.status.encode())]
+        if job.status in ("queued", "running"):
+            extra.append((b"retry-after", b"1"))
+        await _respond(send, 200, json.dumps(body).encode(), extra=extra)
+
     # ---- inference -------------------------------------------------------------------------------
 
     async def _infer(self, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
@@ -260,9 +297,17 @@ class InferenceApp:
         extra = [(b"spillway-variant", str(model.version).encode())] if redirected else []
         inputs = {i.name: i.array for i in request.inputs}
         plan = self.policy.plan_for(config.name) if self.policy is not None else None
+        overflowing = plan is not None and plan.overflow is not None
+        level = 0
         if plan is not None:
             level = model.worker.scheduler.resolve_level(priority)
-            verdict = plan.admission(level)
+            draw = self._draw() if plan.overflow is not None and plan.overflow.fraction else 1.0
+            verdict = plan.admission(level, draw)
+            if verdict == "overflow":
+                context = _Context(path, body, headers, request, inputs, rows, model, level, extra, time.monotonic())
+                deadline = model.worker.scheduler.deadline_for(level, context.arrived, timeout_s)
+                await self._overflow(send, context, deadline, "the policy overflows this request")
+                return
             if verdict == "shed":
                 assert plan.shed is not None
                 stats.outcome(level, "rejected")
@@ -274,23 +319,116 @@ class InferenceApp:
                 await self._fallback(send, request, inputs, rows, model, level, plan, extra)
                 return
         try:
-            served = await model.worker.infer(inputs, rows, priority, timeout_s)
+            future = model.worker.admit(inputs, rows, priority, timeout_s, count_refused=not overflowing)
         except ValueError as exc:  # a priority the model cannot take
             stats.outcome(0, "rejected")
             await _reject(send, 400, str(exc), "invalid_request")
             return
-        except Refused as exc:
+        except Refused as exc:  # at admission: the device cannot take it in time
+            if overflowing and exc.rejection.reason in OVERFLOWING:
+                level = level or model.worker.scheduler.resolve_level(priority)
+                context = _Context(path, body, headers, request, inputs, rows, model, level, extra, time.monotonic())
+                deadline = model.worker.scheduler.deadline_for(level, context.arrived, timeout_s)
+                await self._overflow(send, context, deadline, str(exc))
+                return
+            if overflowing:
+                stats.outcome(model.worker.scheduler.resolve_level(priority), "rejected")
+            retry = str(max(1, round(exc.rejection.retry_after_s))).encode()
+            await _reject(send, 503, str(exc), exc.rejection.reason, extra=[(b"retry-after", retry), *extra])
+            return
+        try:
+            served = await future
+        except Refused as exc:  # timed out in the queue
             retry = str(max(1, round(exc.rejection.retry_after_s))).encode()
             await _reject(send, 503, str(exc), exc.rejection.reason, extra=[(b"retry-after", retry), *extra])
             return
         except ExecutionFailed as exc:
-            await _respond(send, 500, encode_error(str(exc)), extra=[(b"spillway-outcome", b"error"), *extra])
+            await _respond(send, 500, _error_body(str(exc), "error"), extra=[(b"spillway-outcome", b"error"), *extra])
             return
         if self.responses is not None and sum(a.nbytes for a in inputs.values()) <= self.responses.capacity_bytes:
             self.responses.put(inputs_key(config.name, model.version, inputs), served.outputs)
         big = sum(a.size for a in served.outputs.values()) > _INLINE_ELEMENTS
         await self._answer(send, path, request, model, served.outputs, [(b"spillway-outcome", b"local"), *extra],
-                           offload=big)  # fmt: skip
+                           parameters=_LOCAL, offload=big)  # fmt: skip
+
+    async def _overflow(self, send: Send, context: _Context, deadline: float | None, why: str) -> None:
+        """Send the request to the gateway with what is left of its deadline; on failure, the fallback chain."""
+        stats = context.model.worker.stats
+        if self.forwarder is None:
+            message = f"{why}; and this agent has no gateway to overflow to"
+            await self._fallback_chain(send, context, "no_gateway", message, 1.0)
+            return
+        remaining = None if deadline is None else deadline - time.monotonic()
+        content_type = context.headers.get(b"content-type", b"application/json").decode("latin-1")
+        forwarded_headers = {"content-type": content_type}
+        length = context.headers.get(b"inference-header-content-length")
+        if length is not None:
+            forwarded_headers["inference-header-content-length"] = length.decode("latin-1")
+        result = await self.forwarder.forward(context.path, context.body, forwarded_headers, remaining)
+        if isinstance(result, Forwarded):
+            body, header_length = result.body, _int_or_none(result.headers.get("inference-header-content-length"))
+            try:
+                body, header_length = with_parameters(body, header_length, {"spillway_outcome": "overflow"})
+            except ValueError:
+                log.warning("an overflow answer's JSON could not be read; passed on as it came")
+            headers = [(b"spillway-outcome", b"overflow"), *context.extra]
+            backend = result.headers.get("spillway-backend")
+            if backend is not None:
+                headers.append((b"spillway-backend", backend.encode("latin-1")))
+            kind = b"application/json"
+            if header_length is not None:
+                headers.append((b"inference-header-content-length", str(header_length).encode()))
+                kind = b"application/octet-stream"
+            await _respond(send, 200, body, content_type=kind, extra=headers)
+            stats.answered(context.level, "overflow", time.monotonic() - context.arrived)
+            return
+        await self._fallback_chain(send, context, result.reason, f"{why}; overflow failed: {result.message}",
+                                   result.retry_after_s)  # fmt: skip
+
+    async def _fallback_chain(self, send: Send, context: _Context, reason: str, message: str, retry_s: float) -> None:
+        """When the cloud cannot answer: the cached answer to these inputs, the model's default outputs, the async
+        queue (models that accept it), else 503 with the reason."""
+        model, config = context.model, context.model.config
+        stats = model.worker.stats
+        if self.responses is not None:
+            found = self.responses.get(inputs_key(config.name, model.version, context.inputs))
+            if found is not None:
+                await self._send_fallback(send, context, found, "fallback_cache", reason)
+                return
+        defaults = self.default_outputs.get(config.name)
+        if defaults is not None:
+            outputs = default_answer(defaults, context.rows, config.max_batch_size > 0)
+            await self._send_fallback(send, context, outputs, "fallback_default", reason)
+            return
+        if self.jobs is not None and self.jobs.accepts(config.name):
+            version = _version_in(context.path)
+            length = _int_or_none(context.headers.get(b"inference-header-content-length"))
+            try:
+                job = await self.jobs.submit(config.name, version, context.body, length)
+            except QueueFull:
+                message += "; and the async queue is full"
+            else:
+                body = {"id": job.id, "status": job.status, "model_name": config.name, "outcome": "queued_async",
+                        "parameters": {"spillway_outcome": "queued_async", "spillway_reason": reason},
+                        "location": JOBS_PREFIX + job.id}  # fmt: skip
+                headers = [(b"spillway-outcome", b"queued_async"), (b"spillway-reason", reason.encode()),
+                           (b"spillway-job-id", job.id.encode()), (b"location", (JOBS_PREFIX + job.id).encode()),
+                           *context.extra]  # fmt: skip
+                await _respond(send, 202, json.dumps(body).encode(), extra=headers)
+                stats.answered(context.level, "queued_async", time.monotonic() - context.arrived)
+                return
+        stats.outcome(context.level, "rejected")
+        retry = str(max(1, round(retry_s))).encode()
+        await _reject(send, 503, message, reason, extra=[(b"retry-after", retry), *context.extra])
+
+    async def _send_fallback(
+        self, send: Send, context: _Context, outputs: dict[str, np.ndarray], outcome: str, reason: str
+    ) -> None:
+        headers = [(b"spillway-outcome", outcome.encode()), (b"spillway-reason", reason.encode()), *context.extra]
+        parameters = {"spillway_outcome": outcome, "spillway_reason": reason}
+        if await self._answer(send, "fallback", context.request, context.model, outputs, headers,
+                              parameters=parameters):  # fmt: skip
+            context.model.worker.stats.answered(context.level, outcome, time.monotonic() - context.arrived)
 
     async def _fallback(
         self,
@@ -322,7 +460,7 @@ class InferenceApp:
             outputs = default_answer(plan.default_outputs, rows, config.max_batch_size > 0)
         outcome = f"fallback_{plan.fallback.mode}"
         headers = [(b"spillway-outcome", outcome.encode()), *extra]
-        parameters = {"spillway_fallback": plan.fallback.mode}
+        parameters = {"spillway_outcome": outcome, "spillway_fallback": plan.fallback.mode}
         if await self._answer(send, "fallback", request, model, outputs, headers, parameters=parameters):
             stats.outcome(level, outcome)
 
@@ -352,7 +490,7 @@ class InferenceApp:
             payload, json_length = await asyncio.to_thread(encode) if offload else encode()
         except Exception:  # a bug of ours (e.g. a runner output the config does not declare): never a trace
             log.exception("encoding the response of %s failed", what)
-            await _respond(send, 500, encode_error("internal error; see the agent log"),
+            await _respond(send, 500, _error_body("internal error; see the agent log", "error"),
                            extra=[(b"spillway-outcome", b"error")])  # fmt: skip
             return False
         if json_length is None:
@@ -394,9 +532,44 @@ async def _reject(
     send: Send, status: int, message: str, reason: str, extra: list[tuple[bytes, bytes]] | None = None
 ) -> None:
     """An answer that is not a result: the outcome `rejected` and its reason, in the body and the headers."""
-    body = json.dumps({"error": message, "reason": reason}).encode()
+    body = json.dumps({"error": message, "reason": reason, "outcome": "rejected"}).encode()
     headers = [(b"spillway-outcome", b"rejected"), (b"spillway-reason", reason.encode()), *(extra or [])]
     await _respond(send, status, body, extra=headers)
+
+
+_LOCAL = {"spillway_outcome": "local"}
+
+
+@dataclass(frozen=True)
+class _Context:
+    """A request on its way to an answer other than a local run: what overflow and the fallbacks need."""
+
+    path: str
+    body: bytes
+    headers: dict[bytes, bytes]
+    request: DecodedRequest
+    inputs: dict[str, np.ndarray]
+    rows: int
+    model: LoadedModel
+    level: int
+    extra: list[tuple[bytes, bytes]]
+    arrived: float
+
+
+def _error_body(message: str, outcome: str) -> bytes:
+    return json.dumps({"error": message, "outcome": outcome}).encode()
+
+
+def _int_or_none(raw: bytes | str | None) -> int | None:
+    if raw is None:
+        return None
+    text = raw.decode("latin-1") if isinstance(raw, bytes) else raw
+    return int(text) if text.isdigit() else None
+
+
+def _version_in(path: str) -> str | None:
+    parts = path.strip("/").split("/")
+    return parts[4] if len(parts) >= 6 and parts[3] == "versions" else None
 
 
 def _model_path(parts: list[str]) -> tuple[str, str | None, list[str]]:

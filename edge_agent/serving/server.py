@@ -17,7 +17,8 @@ from edge_agent.config import AgentConfig
 from edge_agent.overflow.fallback import ResponseCache
 from edge_agent.policy.apply import PolicyApplier
 from edge_agent.policy.cache import PolicyCache
-from edge_agent.policy.plan import ServedModel
+from edge_agent.policy.document import Overflow
+from edge_agent.policy.plan import PolicyRefused, ServedModel, validate_default_outputs
 from edge_agent.runtime.config import ModelConfigError
 from edge_agent.runtime.repository import UnknownModelError, check_onnx_graph, load_repository
 from edge_agent.runtime.spec import ModelConfig, ModelVersion
@@ -27,6 +28,10 @@ from edge_agent.serving.app import InferenceApp
 from edge_agent.serving.models import LoadedModel, ModelRegistry
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from edge_agent.overflow.forward import Forwarder
+    from edge_agent.overflow.queue import AsyncQueue
     from edge_agent.policy.client import PolicyPoller
     from edge_agent.telemetry import LiveTelemetry
 
@@ -134,15 +139,25 @@ class Agent:
     responses: ResponseCache
     telemetry: LiveTelemetry | None
     poller: PolicyPoller | None
+    forwarder: Forwarder | None = None
+    jobs: AsyncQueue | None = None
 
     def status(self) -> dict[str, Any]:
         """The body of `GET /v2/spillway/status`."""
         return {
             "agent_id": self.config.agent_id or socket.gethostname(),
+            "role": self.config.role,
             "ready": self.app.ready,
             **self.applier.json(),
             "poll": None if self.poller is None else self.poller.json(),
             "fallback_cache": self.responses.json(),
+            "overflow": None if self.forwarder is None else self.forwarder.json(),
+            "async_jobs": None if self.jobs is None else {**self.jobs.json(), "counts": self.jobs.store.counts()},
+            "outcomes": [
+                {"model": m.config.name, "version": m.version, "priority": priority, "outcome": outcome, "count": count}
+                for m in self.registry.all()
+                for (priority, outcome), count in sorted(m.worker.stats.outcomes.items())
+            ],
             "telemetry": None if self.telemetry is None else self.telemetry.json(),
         }
 
@@ -154,10 +169,16 @@ class Agent:
             except Exception:  # a bug of ours must not keep the agent from serving with its local configuration
                 log.exception("applying the cached policy failed; serving with the local configuration")
             self.poller.start()
+        if self.jobs is not None:
+            self.jobs.start()
 
     async def stop(self) -> None:
         if self.poller is not None:
             await self.poller.stop()
+        if self.jobs is not None:
+            await self.jobs.stop()
+        if self.forwarder is not None:
+            await self.forwarder.close()
         await self.applier.close()
 
     def close(self) -> None:
@@ -168,14 +189,44 @@ class Agent:
             self.telemetry.shutdown()
 
 
+def _default_outputs(config: AgentConfig, registry: ModelRegistry) -> dict[str, dict[str, np.ndarray]]:
+    """`overflow.default_outputs`, checked against each model's outputs (ModelConfigError names what is wrong)."""
+    found = {}
+    for name, raw in config.overflow.default_outputs.items():
+        if name not in registry.names():
+            raise ModelConfigError(f"agent config overflow.default_outputs: no model {name!r} is served")
+        try:
+            found[name] = validate_default_outputs(f"overflow.default_outputs[{name!r}]", registry.of(name)[0].config,
+                                                   raw)  # fmt: skip
+        except PolicyRefused as exc:
+            raise ModelConfigError(f"agent config {exc}") from None
+    unknown = sorted(set(config.async_jobs.models) - set(registry.names()))
+    if unknown:
+        raise ModelConfigError(f"agent config async_jobs.models: no model(s) {unknown} are served")
+    return found
+
+
+def _breaker_config(config: AgentConfig) -> Any:
+    from edge_agent.overflow.breaker import BreakerConfig
+
+    return BreakerConfig(**config.overflow.breaker.model_dump())
+
+
 def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
-    """Wire the app, the policy applier, the fallback cache, telemetry and (with a control plane) the poller."""
+    """Wire the app, the policy applier, the fallback cache, telemetry, overflow, the async queue and (with a
+    control plane) the poller."""
+    defaults = _default_outputs(config, registry)
+    gateway = config.gateway()
+    local_overflow = None
+    if config.overflow.enabled and gateway is not None:
+        local_overflow = Overflow(fraction=config.overflow.fraction, at_or_below=config.overflow.at_or_below)
     served = {
         name: ServedModel(
             config=registry.of(name)[0].config,
             default_version=registry.default_version(name),
             configured_versions=tuple(registry.versions(name)),
             repository=config.model_repository,
+            overflow=local_overflow,
         )
         for name in registry.names()
     }
@@ -204,7 +255,28 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         assert config.control_plane is not None and config.agent_token is not None
         poller = PolicyPoller(config.control_plane, agent_id, config.agent_token.get_secret_value(), applier,
                               interval_s=config.policy_poll_interval_s)  # fmt: skip
-    responses = ResponseCache(config.fallback_cache_bytes)
+    responses = ResponseCache(config.fallback_cache_bytes, ttl_s=config.overflow.cache_ttl_s)
+    forwarder = None
+    if gateway is not None and config.agent_token is not None:
+        from edge_agent.overflow.forward import Forwarder
+
+        def breaker_changed(old: str, new: str, reason: str) -> None:
+            log.warning("overflow breaker %s -> %s: %s", old, new, reason)
+
+        forwarder = Forwarder(gateway, config.agent_token.get_secret_value(), breaker=_breaker_config(config),
+                              max_in_flight=config.overflow.max_in_flight,
+                              default_timeout_s=config.overflow.default_timeout_s,
+                              on_breaker_change=breaker_changed)  # fmt: skip
+    jobs = None
+    if config.async_jobs.models:
+        from edge_agent.overflow.jobs import JobStore
+        from edge_agent.overflow.queue import AsyncQueue
+
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        store = JobStore(config.state_dir / f"jobs-{_safe(agent_id)}.sqlite", max_jobs=config.async_jobs.max_jobs,
+                         ttl_s=config.async_jobs.ttl_s)  # fmt: skip
+        jobs = AsyncQueue(store, registry, config.async_jobs.models, drain_below=config.async_jobs.drain_below,
+                          allow_non_finite=config.allow_non_finite)  # fmt: skip
     app = InferenceApp(
         registry,
         token=config.token.get_secret_value() if config.token else None,
@@ -212,12 +284,19 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         allow_non_finite=config.allow_non_finite,
         policy=applier,
         responses=responses,
+        forwarder=forwarder,
+        default_outputs=defaults,
+        jobs=jobs,
     )
-    agent = Agent(config, registry, app, applier, responses, telemetry, poller)
+    agent = Agent(config, registry, app, applier, responses, telemetry, poller, forwarder, jobs)
     app.status = agent.status
     app.on_startup.append(agent.start)
     app.on_shutdown.append(agent.stop)
     return agent
+
+
+def _safe(agent_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in agent_id)
 
 
 DRAIN_LINGER_S = 0.5

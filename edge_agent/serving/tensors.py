@@ -683,3 +683,19 @@ def _wire_bytes(array: np.ndarray, datatype: str) -> bytes:
 def encode_error(message: str) -> bytes:
     """The V2 error body, `{"error": "..."}`."""
     return json.dumps({"error": message}).encode()
+
+
+def with_parameters(body: bytes, header_length: int | None, extra: dict[str, Any]) -> tuple[bytes, int | None]:
+    """A V2 response with `extra` added to its `parameters` (binary data after the JSON header kept as it is).
+
+    Raises ValueError when the JSON part is not a JSON object."""
+    head = body if header_length is None else body[:header_length]
+    document = json.loads(head)
+    if not isinstance(document, dict):
+        raise ValueError("a V2 response is a JSON object")
+    parameters = document.get("parameters")
+    document["parameters"] = {**(parameters if isinstance(parameters, dict) else {}), **extra}
+    new_head = json.dumps(document, separators=(",", ":")).encode()
+    if header_length is None:
+        return new_head, None
+    return new_head + body[header_length:], len(new_head)

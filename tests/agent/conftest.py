@@ -48,11 +48,12 @@ def start_agent(repo: Path, workdir: Path, **settings: Any) -> RunningAgent:
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    headers = {"authorization": f"Bearer {settings['token']}"} if settings.get("token") else {}
     deadline = time.monotonic() + 120
     while True:
         assert proc.poll() is None, log.read_text()
         try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/v2/health/ready", headers=headers, timeout=1).status_code == 200:
                 return RunningAgent(url, proc, log)
         except httpx.TransportError:
             pass

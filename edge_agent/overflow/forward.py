@@ -1,0 +1,169 @@
+"""Overflow: send a request the agent will not serve itself to the control plane's gateway, which hands it to a
+cloud backend, behind a local circuit breaker and a cap on requests in flight.
+
+The body goes unchanged (JSON or binary tensors) to the same path on the gateway, with the agent's token and the
+request's remaining deadline (`Spillway-Timeout-Us`), and the attempt itself is bounded by that deadline. Any
+answer but a 200 is a failure the caller turns into its local fallback; so is an open breaker or a full cap,
+without a network round trip. aiohttp is imported when the first request overflows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from edge_agent.overflow.breaker import BreakerConfig, CircuitBreaker
+
+if TYPE_CHECKING:
+    import aiohttp
+
+# Headers of the gateway's answer that the agent passes on to its client.
+_PASSED_ON = ("content-type", "inference-header-content-length", "spillway-backend", "spillway-attempts")
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """The gateway's 200: the body as the backend answered, and the headers worth passing on."""
+
+    body: bytes
+    headers: dict[str, str]
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class NotForwarded:
+    """Why the overflow did not produce an answer: `reason` is a stable code, `message` says more."""
+
+    reason: (
+        str  # breaker_open | overflow_busy | deadline_passed | gateway_unreachable | gateway_timeout | gateway_<code>
+    )
+    message: str
+    retry_after_s: float = 1.0
+
+
+class Forwarder:
+    """One gateway, one pooled HTTP client, one breaker. Used from the agent's event loop only."""
+
+    def __init__(
+        self,
+        gateway: str,
+        token: str,
+        *,
+        breaker: BreakerConfig,
+        max_in_flight: int = 256,
+        default_timeout_s: float = 30.0,
+        on_breaker_change: Callable[[str, str, str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.gateway = gateway.rstrip("/")
+        self._auth = f"Bearer {token}"
+        self.breaker = CircuitBreaker(breaker, clock=clock, on_change=on_breaker_change)
+        self.max_in_flight = max_in_flight
+        self.default_timeout_s = default_timeout_s
+        self._clock = clock
+        self._session: aiohttp.ClientSession | None = None
+        self.in_flight = 0
+        self.sent = 0
+        self.answered = 0
+        self.failed: dict[str, int] = {}
+
+    def _session_now(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            import aiohttp
+
+            connector = aiohttp.TCPConnector(limit=self.max_in_flight, keepalive_timeout=30, ttl_dns_cache=60)
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                                  skip_auto_headers=("User-Agent",))  # fmt: skip
+        return self._session
+
+    async def forward(
+        self, path: str, body: bytes, headers: dict[str, str], remaining_s: float | None
+    ) -> Forwarded | NotForwarded:
+        """Send `body` to `path` on the gateway within `remaining_s` (None: the default timeout)."""
+        if self.in_flight >= self.max_in_flight:
+            return self._fail("overflow_busy", f"{self.in_flight} requests are already overflowing (the cap)")
+        budget = self.default_timeout_s if remaining_s is None else remaining_s
+        if budget <= 0.001:
+            return self._fail("deadline_passed", "no time is left of the request's deadline to overflow it")
+        if not self.breaker.allow():
+            return self._fail("breaker_open", "the overflow breaker is open: the gateway failed or was slow lately",
+                              retry_after_s=max(1.0, self.breaker.config.open_s))  # fmt: skip
+        import aiohttp
+
+        sent = {**headers, "authorization": self._auth, "spillway-timeout-us": str(int(budget * 1e6))}
+        self.in_flight += 1
+        self.sent += 1
+        started = self._clock()
+        try:
+            async with self._session_now().post(
+                self.gateway + path, data=body, headers=sent, timeout=aiohttp.ClientTimeout(total=budget)
+            ) as response:
+                payload = await response.read()
+                elapsed = self._clock() - started
+                if response.status == 200:
+                    self.breaker.record(True, elapsed)
+                    self.answered += 1
+                    kept = {k: response.headers[k] for k in _PASSED_ON if k in response.headers}
+                    return Forwarded(payload, kept, elapsed)
+                self.breaker.record(False, elapsed)
+                code = _error_code(payload) or str(response.status)
+                retry = _retry_after(response.headers.get("retry-after"))
+                return self._fail(f"gateway_{code}", f"the gateway answered {response.status}: {_brief(payload)}",
+                                  retry_after_s=retry)  # fmt: skip
+        except asyncio.TimeoutError:
+            self.breaker.record(False, self._clock() - started)
+            return self._fail("gateway_timeout", f"the gateway did not answer within {budget * 1e3:.0f} ms")
+        except aiohttp.ClientError as exc:
+            self.breaker.record(False, self._clock() - started)
+            return self._fail("gateway_unreachable", f"the gateway could not be reached: {exc}")
+        except asyncio.CancelledError:
+            self.breaker.release()
+            raise
+        finally:
+            self.in_flight -= 1
+
+    def _fail(self, reason: str, message: str, retry_after_s: float = 1.0) -> NotForwarded:
+        self.failed[reason] = self.failed.get(reason, 0) + 1
+        return NotForwarded(reason, message, retry_after_s)
+
+    def json(self) -> dict[str, Any]:
+        return {
+            "gateway": self.gateway,
+            "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight,
+            "sent": self.sent,
+            "answered": self.answered,
+            "failed": dict(self.failed),
+            "breaker": self.breaker.json(),
+        }
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def _error_code(payload: bytes) -> str | None:
+    """The control plane's stable error code (`{"error": "no_capacity", ...}`), if the body has one."""
+    import json
+
+    try:
+        body = json.loads(payload)
+    except ValueError:
+        return None
+    code = body.get("error") if isinstance(body, dict) else None
+    return code if isinstance(code, str) and code.isidentifier() and len(code) <= 64 else None
+
+
+def _retry_after(value: str | None) -> float:
+    try:
+        return max(1.0, float(value)) if value else 1.0
+    except ValueError:
+        return 1.0
+
+
+def _brief(payload: bytes, limit: int = 200) -> str:
+    text = payload[:limit].decode("utf-8", "replace")
+    return text + ("..." if len(payload) > limit else "")

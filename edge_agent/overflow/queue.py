@@ -1,0 +1,190 @@
+"""The async queue: requests accepted with 202 and a job id, kept on disk (`jobs.JobStore`), run when the model
+has room, and fetched later at `GET /spillway/v1/jobs/{id}`.
+
+A job runs at the model's lowest priority level and without a deadline, only while the model's utilisation is
+below `drain_below`, so jobs never take the device from live traffic. Its answer is stored as a JSON V2 response.
+A job the agent could not start (refused by admission) goes back to the queue; one whose run failed is retried
+(at most three attempts). Jobs are counted once, as `queued_async`, when they are accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+from edge_agent.overflow.jobs import Job, JobStore
+from edge_agent.scheduling.worker import ExecutionFailed, Refused
+from edge_agent.serving.tensors import RequestedOutput, TensorError, decode_request, encode_response, validate_inputs
+
+if TYPE_CHECKING:
+    from edge_agent.serving.models import ModelRegistry
+
+log = logging.getLogger("spillway.agent.jobs")
+
+EXPIRE_EVERY_S = 10.0
+
+
+class AsyncQueue:
+    """The job store plus the loop that drains it."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        registry: ModelRegistry,
+        models: Collection[str],
+        *,
+        drain_below: float = 0.5,
+        poll_s: float = 0.05,
+        allow_non_finite: bool = True,
+    ) -> None:
+        self.store = store
+        self.registry = registry
+        self.models = frozenset(models)
+        self.drain_below = drain_below
+        self.poll_s = poll_s
+        self.allow_non_finite = allow_non_finite
+        self._task: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
+        self.ran = 0
+        self.failed = 0
+
+    def accepts(self, model: str) -> bool:
+        return model in self.models
+
+    async def submit(self, model: str, version: str | None, body: bytes, header_length: int | None) -> Job:
+        """Durable when it returns; raises jobs.QueueFull when the queue is at its bound."""
+        return await asyncio.to_thread(self.store.submit, model, version, body, header_length)
+
+    async def get(self, job_id: str) -> Job | None:
+        return await asyncio.to_thread(self.store.get, job_id)
+
+    # ---- draining ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._drain_forever(), name="spillway-jobs")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for task in list(self._running):  # a job cut short is "running" on disk: the next start requeues it
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
+        await asyncio.to_thread(self.store.close)
+
+    def _has_room(self) -> list[str]:
+        """The models a job may run on now."""
+        room = []
+        for name in self.models:
+            try:
+                model, _ = self.registry.route(name, None)
+            except Exception:  # noqa: S112 (a model not served any more: its jobs wait, and expire)
+                continue
+            if model.worker.utilisation < self.drain_below and not model.worker.scheduler.draining:
+                room.append(name)
+        return room
+
+    async def _drain_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_expiry = 0.0
+        while True:
+            try:
+                if loop.time() >= next_expiry:
+                    expired = await asyncio.to_thread(self.store.expire)
+                    if expired:
+                        log.info("%d job(s) expired", expired)
+                    next_expiry = loop.time() + EXPIRE_EVERY_S
+                started = await self._start_some()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must outlive a bad moment of the disk
+                log.exception("the job queue's drain step failed")
+                started = 0
+            await asyncio.sleep(0 if started else self.poll_s)
+
+    async def _start_some(self) -> int:
+        room = self._has_room()
+        if not room:
+            return 0
+        job = await asyncio.to_thread(self.store.claim, room)
+        if job is None:
+            return 0
+        task = asyncio.get_running_loop().create_task(self._run(job))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        await asyncio.sleep(0)  # let it reach admission, so the next utilisation reading counts it
+        return 1
+
+    async def _run(self, job: Job) -> None:
+        try:
+            response = self._admit(job)
+        except _Unservable as exc:
+            self.failed += 1
+            await asyncio.to_thread(self.store.fail, job.id, str(exc))
+            return
+        except Refused:
+            await asyncio.to_thread(self.store.requeue, job.id)
+            return
+        try:
+            body = await response
+        except (Refused, ExecutionFailed) as exc:
+            self.failed += 1
+            await asyncio.to_thread(self.store.fail, job.id, str(exc), retry=True)
+            return
+        await asyncio.to_thread(self.store.finish, job.id, body)
+        self.ran += 1
+
+    def _admit(self, job: Job) -> asyncio.Future[bytes]:
+        """Queue the job's request on its model (lowest level, no deadline); the future is the JSON answer."""
+        assert job.request is not None
+        try:
+            model, _ = self.registry.route(job.model, job.version)
+            request = decode_request(job.request, job.header_length)
+            config = model.config
+            rows = validate_inputs(request.inputs, config.inputs, config.max_batch_size,
+                                   allow_non_finite=self.allow_non_finite)  # fmt: skip
+        except (TensorError, ValueError, LookupError) as exc:
+            raise _Unservable(f"the request cannot be served any more: {exc}") from None
+        lowest = len(model.worker.scheduler.config.levels)
+        inputs = {i.name: i.array for i in request.inputs}
+        served = model.worker.admit(inputs, rows, lowest, None, counted=False)
+        requested = None if request.outputs is None else [RequestedOutput(o.name, False) for o in request.outputs]
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[bytes] = loop.create_future()
+
+        def done(future: asyncio.Future[Any]) -> None:
+            if answer.done():
+                return
+            if future.exception() is not None:
+                answer.set_exception(future.exception())  # type: ignore[arg-type]
+                return
+            try:
+                body, binary = encode_response(
+                    model_name=config.name, model_version=str(model.version), request_id=request.id,
+                    outputs=future.result().outputs, specs=config.outputs, requested=requested, binary_default=False,
+                    parameters={"spillway_outcome": "queued_async", "spillway_job_id": job.id},
+                )  # fmt: skip
+            except Exception as exc:
+                answer.set_exception(ExecutionFailed(f"encoding the answer failed: {exc}"))
+                return
+            if binary is not None:
+                answer.set_exception(ExecutionFailed("the answer has outputs JSON cannot carry (non-UTF-8 BYTES)"))
+                return
+            answer.set_result(body)
+
+        served.add_done_callback(done)
+        return answer
+
+    def json(self) -> dict[str, Any]:
+        return {"models": sorted(self.models), "drain_below": self.drain_below, "running": len(self._running),
+                "ran": self.ran, "failed": self.failed}  # fmt: skip
+
+
+class _Unservable(Exception):
+    pass
