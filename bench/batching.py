@@ -51,14 +51,12 @@ import numpy as np
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
-
 from load import OpenLoopResult, ceiling, free_port, run_open_subprocess, start_noop_server  # noqa: E402
+from mlserver_venv import MLSERVER_VENV, ensure_mlserver_venv  # noqa: E402
 from naive_server import session_options  # noqa: E402
 from procstat import cpu_seconds, loadavg, machine_busy_seconds, vm_hwm  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
-MLSERVER_VENV = BENCH / ".mlserver-venv"
-MLSERVER_VERSION = "1.7.1"
 BEGIN = "<!-- bench/batching.py: begin (generated; edit outside these markers) -->"
 END = "<!-- bench/batching.py: end -->"
 MiB = 1 << 20
@@ -196,26 +194,6 @@ def start_naive(model: Path, work: Path, threads: int) -> Server:
     proc = start_process(cmd, log_path)
     words = f"onnxruntime intra-op {threads}, inter-op 1, no spinning; Starlette thread pool (40); event loop"
     return Server("naive", f"naive (intra {threads})", "naive", port, proc, log_path, words, threads)
-
-
-def ensure_mlserver_venv() -> Path:
-    """bench/.mlserver-venv with MLServer and the project's onnxruntime version; (re)installed when these change."""
-    mlserver = MLSERVER_VENV / "bin" / "mlserver"
-    ort_version = importlib.metadata.version("onnxruntime")
-    # uvloop 0.22 broke MLServer 1.7.1's inference workers (SeldonIO/MLServer#2286): keep the one before it.
-    packages = [f"mlserver=={MLSERVER_VERSION}", f"onnxruntime=={ort_version}", "numpy", "uvloop<0.22"]
-    stamp = MLSERVER_VENV / ".bench-packages"
-    if mlserver.exists() and stamp.exists() and stamp.read_text() == " ".join(packages):
-        return mlserver
-    log(f"installing {' '.join(packages)} into {MLSERVER_VENV} (a minute or two, once)")
-    if not (MLSERVER_VENV / "bin" / "python").exists():
-        subprocess.run(["python3", "-m", "venv", str(MLSERVER_VENV)], check=True)
-    # Like virtualenv (and Python >= 3.13's venv): git and ruff leave the environment alone.
-    (MLSERVER_VENV / ".gitignore").write_text("*\n")
-    pip = [str(MLSERVER_VENV / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, *packages], check=True)
-    stamp.write_text(" ".join(packages))
-    return mlserver
 
 
 def start_mlserver(model: Path, work: Path, threads: int, workers: int, max_batch: int) -> Server:

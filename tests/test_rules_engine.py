@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 import pytest
 
 from controlplane.rules.engine import Hysteresis, State, advance
-from controlplane.rules.policy import Active, compose, document, same_content
+from controlplane.rules.policy import Active, compose, document, same_content, stepped_action
 from edge_agent.policy.document import PolicyDocument
 
 
@@ -118,3 +118,44 @@ def test_an_invalid_composition_is_never_published() -> None:
     with pytest.raises(ValueError, match="default_outputs"):
         document(compose("a", [_active("x", {"kind": "fallback", "priority_at_or_below": 1, "mode": "default"})],
                          buckets_ms=[10], export_interval_s=5, poll_interval_s=5), 1)  # fmt: skip
+
+
+def test_overflow_rules_compose_as_a_union_and_step_down_by_halving_or_by_level() -> None:
+    active = [
+        _active("deadline", {"kind": "overflow", "mode": "deadline"}),
+        _active("share", {"kind": "overflow", "mode": "fraction", "fraction": 0.8}, step=2),  # now 0.2
+        _active("share2", {"kind": "overflow", "mode": "fraction", "fraction": 0.1}),
+        _active("low", {"kind": "overflow", "mode": "priority", "priority_at_or_below": 2}, step=1),  # now 3
+        _active("lower", {"kind": "overflow", "mode": "priority", "priority_at_or_below": 3}, model=None),
+    ]
+    content = compose("agent1", active, buckets_ms=[10], export_interval_s=5, poll_interval_s=2)
+    assert content["models"] == {
+        "mlp": {"overflow": {"fraction": 0.2, "at_or_below": 3}},
+        "*": {"overflow": {"fraction": 0.0, "at_or_below": 3}},
+    }
+    parsed = PolicyDocument.model_validate(document(content, 1)[0])
+    assert parsed.for_model("mlp").overflow == parsed.models["mlp"].overflow
+    only_deadline = compose("a", [_active("d", {"kind": "overflow"})], buckets_ms=[10], export_interval_s=5,
+                            poll_interval_s=2)  # fmt: skip
+    assert only_deadline["models"] == {"mlp": {"overflow": {"fraction": 0.0, "at_or_below": None}}}
+    assert stepped_action({"kind": "overflow", "mode": "fraction", "fraction": 0.5}, 3)["fraction"] == 0.0625
+    assert stepped_action({"kind": "shed", "priority_at_or_below": 63}, 5)["priority_at_or_below"] == 64
+
+
+@pytest.mark.parametrize(
+    ("action", "message"),
+    [
+        ({"kind": "overflow", "mode": "fraction"}, "needs fraction"),
+        ({"kind": "overflow", "mode": "priority"}, "needs priority_at_or_below"),
+        ({"kind": "overflow", "mode": "deadline", "fraction": 0.5}, "fraction is for mode 'fraction'"),
+        ({"kind": "overflow", "mode": "fraction", "fraction": 1.5}, "less than or equal to 1"),
+        ({"kind": "overflow", "mode": "everything"}, "deadline"),
+    ],
+)
+def test_an_overflow_action_that_misses_its_parameter_is_refused_naming_it(action: dict, message: str) -> None:
+    from pydantic import TypeAdapter, ValidationError
+
+    from controlplane.schemas.rules import Action
+
+    with pytest.raises(ValidationError, match=message):
+        TypeAdapter(Action).validate_python(action)

@@ -137,7 +137,12 @@ class AsyncQueue:
             self.failed += 1
             await asyncio.to_thread(self.store.fail, job.id, str(exc), retry=True)
             return
-        await asyncio.to_thread(self.store.finish, job.id, body)
+        try:
+            await asyncio.to_thread(self.store.finish, job.id, body)
+        except ValueError as exc:  # an answer the store cannot keep: the job fails rather than staying "running"
+            self.failed += 1
+            await asyncio.to_thread(self.store.fail, job.id, f"the answer could not be stored: {exc}")
+            return
         self.ran += 1
 
     def _admit(self, job: Job) -> asyncio.Future[bytes]:
