@@ -28,6 +28,7 @@ from controlplane.db.models import Agent, Backend, Rule, Slo, utcnow
 from controlplane.db.repository import ResourceKind
 from controlplane.db.session import make_engine, make_sessionmaker
 from controlplane.errors import ValidationFailed
+from controlplane.gateway import Gateway, GatewayConfig, GatewayDispatcher, gateway_router
 from controlplane.ingest.receiver import Ingestor
 from controlplane.monitoring import ControlPlaneMetrics, HttpMetrics
 from controlplane.rules.loop import ControlLoop, Leadership, PolicyDefaults
@@ -77,14 +78,14 @@ def threshold_on_boundary(boundaries_ms: list[float]) -> Any:
     return check
 
 
-def _api_router(settings: Settings) -> APIRouter:
+def _api_router(settings: Settings, gateway: Gateway) -> APIRouter:
     api = APIRouter(responses=ERROR_RESPONSES)
     slo_kind = ResourceKind("slo", Slo, SloCreate, SloRead.model_validate,
                             check=threshold_on_boundary(settings.latency_buckets_ms))  # fmt: skip
     rule_kind = ResourceKind("rule", Rule, RuleCreate, RuleRead.model_validate,
                              check=threshold_on_boundary(settings.latency_buckets_ms))  # fmt: skip
-    kinds: list[tuple[ResourceKind[Any], str, type[BaseModel], type[BaseModel], Any, bool]] = [
-        (slo_kind, "slos", SloRead, SloPatch, require_editor, True),
+    kinds: list[tuple[ResourceKind[Any], str, type[BaseModel], type[BaseModel], Any, bool, Any]] = [
+        (slo_kind, "slos", SloRead, SloPatch, require_editor, True, None),
         (
             rule_kind,
             "rules",
@@ -92,6 +93,7 @@ def _api_router(settings: Settings) -> APIRouter:
             RulePatch,
             require_editor,
             True,
+            None,
         ),
         (
             ResourceKind("backend", Backend, BackendCreate, BackendRead.model_validate, frozenset({"auth_header"})),
@@ -100,12 +102,13 @@ def _api_router(settings: Settings) -> APIRouter:
             BackendPatch,
             require_editor,
             True,
+            gateway.backends_changed,  # the gateway in this process sees a change at once
         ),
     ]
     agent_kind = ResourceKind("agent", Agent, AgentCreate, agent_reader(settings.stale_after_s))
-    kinds.append((agent_kind, "agents", AgentRead, AgentPatch, require_admin, False))
+    kinds.append((agent_kind, "agents", AgentRead, AgentPatch, require_admin, False, None))
     api.include_router(access_routes.agent_enrolment_router(agent_kind))
-    for kind, plural, read_model, patch_model, writer, with_create in kinds:
+    for kind, plural, read_model, patch_model, writer, with_create, on_change in kinds:
         api.include_router(
             resource_router(
                 kind,
@@ -115,6 +118,7 @@ def _api_router(settings: Settings) -> APIRouter:
                 reader=require_viewer,
                 writer=writer,
                 with_create=with_create,
+                on_change=on_change,
             )
         )
     api.include_router(slo_status_router(slo_kind))
@@ -206,11 +210,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.control_loop_interval_s > 0:
             tasks.append(asyncio.create_task(_control_loop(app, settings.control_loop_interval_s)))
         try:
+            await gateway.start(app.state.sessionmaker)
             yield
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await gateway.close()
             app.state.leadership.release()
             engine.dispose()
 
@@ -229,17 +235,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         poll_interval_s=settings.policy_poll_interval_s, stale_after_s=settings.stale_after_s,
     )  # fmt: skip
     app.state.monitoring = ControlPlaneMetrics(lambda: getattr(app.state, "sessionmaker", None), settings.stale_after_s)
+    gateway = Gateway(GatewayConfig.from_settings(settings), app.state.monitoring.gateway)
+    app.state.gateway = gateway
     install_error_handlers(app)
-    # Outermost first: count every request, refuse oversized bodies, then authenticate, then route.
+    # Added last is outermost. Inference to the gateway first, on its own fast path (its own authentication,
+    # body limit and metrics); everything else: count every request, refuse oversized bodies, authenticate, route.
     app.add_middleware(Authenticate)
     app.add_middleware(
         BodyLimit, max_bytes=settings.max_body_bytes, per_path={"/v1/metrics": settings.ingest_max_body_bytes}
     )
     app.add_middleware(HttpMetrics, metrics=app.state.monitoring)
+    app.add_middleware(GatewayDispatcher, gateway=gateway)
     app.include_router(status.probes)
     app.include_router(monitoring.router, responses=ERROR_RESPONSES)
-    app.include_router(_api_router(settings))
+    app.include_router(_api_router(settings, gateway))
     app.include_router(ingest.router, responses=ERROR_RESPONSES)
+    app.include_router(gateway_router())
 
     @app.get("/api/v1/openapi.json", include_in_schema=False)
     def openapi(_: Viewer) -> dict[str, Any]:

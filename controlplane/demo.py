@@ -5,7 +5,10 @@
    its OpenTelemetry metrics to the control plane with that agent's token;
 3. a burst of mixed-priority traffic, with outcomes and latency per priority as the clients saw them;
 4. the same burst as the control plane saw it through the agent's telemetry: per-priority latency, and each
-   SLO's SLI, error budget and burn rates.
+   SLO's SLI, error budget and burn rates;
+5. the control loop: a rule fires under a surge, the agent switches variant, and recovers;
+6. overflow: a second, small edge agent under normal load, a 3x burst overflowing to a cloud backend through the
+   control plane's gateway, the cloud killed mid-burst and the fallback chain answering, the cloud back.
 """
 
 from __future__ import annotations
@@ -95,6 +98,12 @@ def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard
         _say()
         control_loop_story(story, RULE)
         _say()
+        try:
+            overflow_story(story)
+        except (RuntimeError, httpx.HTTPError) as exc:
+            _say(f"error: the overflow story failed: {exc}")
+            return 1
+        _say()
         _say(f"  curl {agent_base}/v2/spillway/status")
         _say(f'  curl -H "Authorization: Bearer $SPILLWAY_API_KEY" {base}/api/v1/agents/{agent_id}/metrics?window=5m')
         _say(f'  curl -H "Authorization: Bearer $SPILLWAY_API_KEY" {base}/api/v1/events')
@@ -168,6 +177,45 @@ def control_loop_story(story: Any, rule: dict[str, Any]) -> None:
         elif event["kind"] == "policy.published":
             detail = f"version {data.get('version')}, causes: {[c['name'] for c in data.get('causes', [])] or 'none'}"
         _say(f"  {event['ts'][11:19]}  {event['kind']:18} {detail}")
+
+
+def overflow_story(story: Any) -> None:
+    """The overflow story (controlplane/overflow_story.py) beside the running control plane: outcome mix per phase."""
+    from controlplane.overflow_story import DEADLINE_US, OverflowStory, format_phases, small_repository, standard_phases
+
+    small = small_repository(story.root / "models-slow")
+    overflow = OverflowStory(story, models=small, edge_port=_free_port(), cloud_ports=[_free_port()])
+    overflow.start()
+    capacity = overflow.capacity()
+    _say(f"Overflow: a second edge agent ({overflow.edge_url}) serving a slow mlp (about 20 ms a request, one")
+    _say(f"at a time, one thread) answers about {capacity:.0f} requests/s itself. A cloud backend of the same kind")
+    _say(f"(a Spillway agent in cloud role, {overflow.clouds[0].url}) sits behind the control plane's gateway.")
+    _say(f"Open-loop load, 20 % priority 1, each request with a {DEADLINE_US // 1000} ms deadline; what the device")
+    _say("would not answer in time overflows:")
+
+    def announce(index: int, phase: Any) -> None:
+        _say(f"  phase {index + 1}: {phase.name}, {phase.rate:.0f} requests/s for {phase.seconds:.0f} s")
+
+    phases = overflow.run(standard_phases(capacity, overflow), on_phase=announce)
+    _say()
+    _say("Outcomes per phase (spillway-outcome of each answer; lost = sent without an answer):")
+    _say(format_phases(phases))
+    seen = overflow.edge_outcomes()
+    sent = sum(p.sent for p in phases)
+    _say(f"The agent counted {sum(seen.values())} requests ({sent} sent by the story, plus its capacity probe): "
+         + ", ".join(f"{k} {v}" for k, v in seen.most_common()))  # fmt: skip
+    _say("Gateway backends (GET /api/v1/status):")
+    for backend in overflow.gateway():
+        _say(f"  {backend['name']:16} healthy={backend.get('healthy')} ejected={backend.get('ejected')} "
+             f"requests={backend.get('requests')} errors={backend.get('errors')}")  # fmt: skip
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _wait_for_telemetry(client: httpx.Client, agent_id: str, expected: int, deadline_s: float = 20.0) -> Any:

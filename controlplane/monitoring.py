@@ -1,5 +1,6 @@
 """The control plane's own metrics, for Prometheus: HTTP requests per route template, OTLP data points ingested,
-agents by status, and the process. Each app has its own registry (tests build many apps in one process).
+agents by status, the overflow gateway per backend (docs/gateway.md), and the process. Each app has its own
+registry (tests build many apps in one process).
 
 Labels are bounded: routes are templates (`/api/v1/slos/{item_id}`), never raw paths, and a request answered
 before or without routing (bad credentials, an oversized body, an unknown path) is `route="(unrouted)"`.
@@ -7,6 +8,7 @@ before or without routing (bad credentials, an oversized body, an unknown path) 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -15,6 +17,7 @@ from datetime import timedelta
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     GCCollector,
     Histogram,
     Info,
@@ -73,6 +76,53 @@ class AgentStatusCollector(Collector):
         )
 
 
+GATEWAY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class GatewayMetrics:
+    """The overflow gateway's instruments; per backend, labelled by the backend's name."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "spillway_gateway_requests",
+            "attempts sent to a backend, by its answer's status code or the failure (connect, reset, timeout)",
+            ["backend", "code"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            "spillway_gateway_errors",
+            "failed attempts by kind: connect, reset, timeout, status_5xx, bad_response",
+            ["backend", "kind"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "spillway_gateway_request_duration_seconds",
+            "time of one attempt at a backend, until its answer's last byte was passed on",
+            ["backend"],
+            buckets=GATEWAY_BUCKETS_S,
+            registry=registry,
+        )
+        self.outstanding = Gauge(
+            "spillway_gateway_outstanding", "requests in flight at a backend", ["backend"], registry=registry
+        )
+        self.ejections = Counter(
+            "spillway_gateway_ejections", "times a backend was ejected by outlier detection", ["backend"],
+            registry=registry,
+        )  # fmt: skip
+        self.retries = Counter("spillway_gateway_retries", "attempts retried on another backend", registry=registry)
+        self.rejected = Counter(
+            "spillway_gateway_rejected",
+            "requests the gateway answered itself with an error, by its code (no_backend, no_capacity, ...)",
+            ["reason"],
+            registry=registry,
+        )
+
+    def forget(self, backend: str) -> None:
+        """A deleted (or renamed) backend's gauge goes; its counters stay until the process restarts."""
+        with contextlib.suppress(KeyError):
+            self.outstanding.remove(backend)
+
+
 class ControlPlaneMetrics:
     """The instruments and their registry."""
 
@@ -105,6 +155,7 @@ class ControlPlaneMetrics:
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self.registry.register(AgentStatusCollector(sessions, stale_after_s))
+        self.gateway = GatewayMetrics(self.registry)
 
     def observe_http(self, route: str, method: str, status: int, seconds: float) -> None:
         method = method if method in _METHODS else "other"
@@ -146,4 +197,4 @@ class HttpMetrics:
             self.metrics.observe_http(route or UNROUTED, scope["method"], status, time.perf_counter() - started)
 
 
-__all__ = ["CONTENT_TYPE", "UNROUTED", "AgentStatusCollector", "ControlPlaneMetrics", "HttpMetrics"]
+__all__ = ["CONTENT_TYPE", "UNROUTED", "AgentStatusCollector", "ControlPlaneMetrics", "GatewayMetrics", "HttpMetrics"]

@@ -54,6 +54,47 @@ class Settings(BaseSettings):
     tls_certfile: str | None = Field(default=None, description="PEM certificate: set with the key file to serve HTTPS.")
     tls_keyfile: str | None = Field(default=None, description="PEM private key for `tls_certfile`.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Server log level.")
+    # The overflow gateway (docs/gateway.md).
+    gateway_refresh_s: float = Field(
+        default=2.0, gt=0, le=3600, description="How often the gateway reloads the backends from the database."
+    )
+    gateway_health_interval_s: float = Field(
+        default=5.0, gt=0, le=3600, description="How often each backend's readiness is checked (active checks)."
+    )
+    gateway_health_timeout_s: float = Field(
+        default=1.0, gt=0, le=60, description="How long one readiness check may take (capped by the interval)."
+    )
+    gateway_unhealthy_threshold: int = Field(
+        default=2, ge=1, le=100, description="Consecutive failed readiness checks that make a backend unhealthy."
+    )
+    gateway_healthy_threshold: int = Field(
+        default=1, ge=1, le=100, description="Consecutive passed readiness checks that make it healthy again."
+    )
+    gateway_consecutive_failures: int = Field(
+        default=5, ge=1, le=1000, description="Consecutive 5xx or transport failures that eject a backend."
+    )
+    gateway_base_ejection_s: float = Field(
+        default=30.0, gt=0, le=86400, description="An ejection lasts this long times the backend's ejection count."
+    )
+    gateway_max_ejection_s: float = Field(default=300.0, gt=0, le=86400, description="The longest one ejection lasts.")
+    gateway_outlier_interval_s: float = Field(
+        default=10.0, gt=0, le=3600, description="Each interval back in the pool takes one off the ejection multiplier."
+    )
+    gateway_max_ejection_percent: float = Field(
+        default=10.0, ge=0, le=100, description="Most of a model's backends ejected at once (one always may be)."
+    )
+    gateway_retry_budget_percent: float = Field(
+        default=20.0, ge=0, le=100, description="Retries in flight allowed, as a share of the requests in flight."
+    )
+    gateway_min_retry_concurrency: int = Field(
+        default=3, ge=0, le=100_000, description="Retries in flight always allowed, whatever the budget says."
+    )
+    gateway_auth_ttl_s: float = Field(
+        default=30.0, ge=0, le=3600, description="How long a checked agent token is trusted without the database."
+    )
+    gateway_max_connections: int = Field(
+        default=1024, ge=1, le=100_000, description="Connections the gateway keeps open to all backends together."
+    )
 
     @field_validator("database_url")
     @classmethod
@@ -61,6 +102,15 @@ class Settings(BaseSettings):
         if not value.startswith(("sqlite", "postgresql", "postgres://")):
             raise ValueError("SPILLWAY_DATABASE_URL must be a sqlite:// or postgresql:// URL")
         return value
+
+    @model_validator(mode="after")
+    def _ejection_bounds(self) -> Settings:
+        if self.gateway_max_ejection_s < self.gateway_base_ejection_s:
+            raise ValueError(
+                "SPILLWAY_GATEWAY_MAX_EJECTION_S must be at least SPILLWAY_GATEWAY_BASE_EJECTION_S "
+                f"({self.gateway_max_ejection_s:g} < {self.gateway_base_ejection_s:g})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

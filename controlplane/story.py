@@ -132,7 +132,11 @@ class Story:
                 "SPILLWAY_DATABASE_URL": f"sqlite:///{self.root / 'demo.db'}", "SPILLWAY_PORT": str(self.port),
                 "SPILLWAY_HOST": "127.0.0.1", "SPILLWAY_CONTROL_LOOP_INTERVAL_S": str(self.interval_s / 2),
                 "SPILLWAY_EVALUATION_INTERVAL_S": interval, "SPILLWAY_POLICY_POLL_INTERVAL_S": interval,
-                "SPILLWAY_AGENT_EXPORT_INTERVAL_S": interval}  # fmt: skip
+                "SPILLWAY_AGENT_EXPORT_INTERVAL_S": interval,
+                # The gateway notices a dead or returning backend within a second; an ejection lasts seconds.
+                "SPILLWAY_GATEWAY_HEALTH_INTERVAL_S": str(self.interval_s / 2),
+                "SPILLWAY_GATEWAY_BASE_EJECTION_S": str(self.interval_s * 3),
+                "SPILLWAY_GATEWAY_REFRESH_S": interval}  # fmt: skip
 
     def start_control_plane(self, *, migrate: bool = False) -> None:
         args = [*self.cli, "controlplane", "serve"] + ([] if migrate else ["--no-migrate"])

@@ -18,23 +18,43 @@ OUTCOME_COLOURS = {
     "rejected": "#ef6c00",
     "error": "#c62828",
 }
+# What the legend says for each outcome an agent reports (the `outcome` attribute of its request metrics).
+OUTCOME_LABELS = {
+    "local": "served on the device",
+    "overflow": "overflowed to the cloud",
+    "fallback_cache": "fallback: cached answer",
+    "fallback_default": "fallback: default answer",
+    "queued_async": "queued for later (async)",
+    "rejected": "rejected (shed or refused)",
+    "error": "error",
+}
+UNKNOWN_OUTCOME_COLOUR = "#757575"
+
+
+def outcome_label(outcome: str) -> str:
+    """The legend's words for an outcome; one this dashboard does not know yet shows under its own name."""
+    return OUTCOME_LABELS.get(outcome, outcome)
 
 
 def outcome_bars(rows: list[dict[str, Any]], group: str = "group", title: str = "Outcomes") -> AnyChart:
-    """Requests per outcome, one stacked bar per group (e.g. model/priority)."""
+    """Requests per outcome, one stacked bar per group (e.g. model/priority); the legend in words, in the order
+    of OUTCOME_COLOURS (served first, errors last), outcomes not known here after them in grey."""
     frame = pd.DataFrame(rows, columns=[group, "outcome", "requests"])
-    known = [o for o in OUTCOME_COLOURS if o in set(frame["outcome"])]
-    others = sorted(set(frame["outcome"]) - set(known))
-    domain = known + others
-    colours = [OUTCOME_COLOURS.get(o, "#757575") for o in domain]
+    present = set(frame["outcome"])
+    domain = [o for o in OUTCOME_COLOURS if o in present] + sorted(present - set(OUTCOME_COLOURS))
+    frame["label"] = frame["outcome"].map(outcome_label)
+    frame["rank"] = frame["outcome"].map({o: i for i, o in enumerate(domain)})  # stacked in the legend's order
+    labels = [outcome_label(o) for o in domain]
+    colours = [OUTCOME_COLOURS.get(o, UNKNOWN_OUTCOME_COLOUR) for o in domain]
     return (
         alt.Chart(frame, title=title)
         .mark_bar()
         .encode(
             x=alt.X("requests:Q", stack="normalize", title="share of requests", axis=alt.Axis(format="%")),
             y=alt.Y(f"{group}:N", title=None),
-            color=alt.Color("outcome:N", scale=alt.Scale(domain=domain, range=colours)),
-            tooltip=[group, "outcome", alt.Tooltip("requests:Q", format=",.0f")],
+            color=alt.Color("label:N", title="outcome", scale=alt.Scale(domain=labels, range=colours)),
+            order=alt.Order("rank:Q"),
+            tooltip=[group, alt.Tooltip("label:N", title="outcome"), alt.Tooltip("requests:Q", format=",.0f")],
         )
         .properties(height=alt.Step(26))
     )

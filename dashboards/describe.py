@@ -13,6 +13,7 @@ ALL_MODELS = "*"
 # The degradation ladder, mildest first (ARCHITECTURE.md "Degradation rules"); each rule action is one rung.
 LADDER: tuple[tuple[str, str], ...] = (
     ("tune_batching", "tune batching"),
+    ("overflow", "overflow to the cloud"),
     ("switch_variant", "lighter variant"),
     ("shed", "shed low priorities"),
     ("fallback", "serve fallbacks"),
@@ -61,6 +62,15 @@ def action_text(action: dict[str, Any]) -> str:
         if action.get("preferred_batch_sizes"):
             parts.append(f"preferred sizes {action['preferred_batch_sizes']}")
         return "tune batching: " + (", ".join(parts) or "as configured")
+    if kind == "overflow":
+        mode = action.get("mode", "deadline")
+        if mode == "fraction":
+            extra = f" and {share(action.get('fraction'))} of the rest"
+        elif mode == "priority":
+            extra = f" and all of priority {action.get('priority_at_or_below')} and lower"
+        else:
+            extra = ""
+        return f"overflow to the cloud: requests predicted to miss their deadline{extra}"
     if kind == "switch_variant":
         return f"serve variant (version) {action.get('version')}"
     if kind == "shed":
@@ -114,6 +124,8 @@ def policy_fields(model: dict[str, Any], rung: str) -> str | None:
         if model.get("preferred_batch_sizes"):
             parts.append(f"sizes {model['preferred_batch_sizes']}")
         return ", ".join(parts) or None
+    if rung == "overflow":
+        return overflow_text(model.get("overflow"))
     if rung == "switch_variant":
         return f"variant {model['variant']}" if model.get("variant") is not None else None
     if rung == "shed":
@@ -123,6 +135,26 @@ def policy_fields(model: dict[str, Any], rung: str) -> str | None:
         fallback = model.get("fallback")
         return f"priority ≥ {fallback['at_or_below']} get {fallback['mode']}" if fallback else None
     return None
+
+
+def overflow_text(overflow: dict[str, Any] | None) -> str | None:
+    """A policy document's `overflow` entry (`{"fraction", "at_or_below"}`) in words; None: nothing overflows."""
+    if not overflow:
+        return None
+    parts = ["deadline misses"]
+    if overflow.get("fraction"):
+        parts.append(f"{share(overflow['fraction'])} of the rest")
+    if overflow.get("at_or_below") is not None:
+        parts.append(f"priority ≥ {overflow['at_or_below']}")
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return f"{listed} overflow"
+
+
+def share(fraction: Any) -> str:
+    """A fraction (0.25) as a share of traffic (25 %), without rounding a small one away."""
+    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool):
+        return str(fraction)
+    return f"{fraction * 100:.3g} %"
 
 
 def ladder(policy: dict[str, Any], rules: Iterable[dict[str, Any]], agent: dict[str, Any]) -> list[dict[str, Any]]:
@@ -212,9 +244,22 @@ def event_numbers(event: dict[str, Any], limit: int = 8) -> str:
     if event.get("kind") == "policy.published":
         causes = ", ".join(f"{c.get('name')} ({c.get('action')})" for c in data.get("causes") or []) or "none"
         return f"version {data.get('version')}, causes: {causes}"
-    scalars = [f"{k}={_short(v)}" for k, v in sorted(data.items()) if k not in ("spec", "name") and
-               not isinstance(v, (dict, list))]  # fmt: skip
+    scalars = [f"{k}={_short(flat)}" for k, v in sorted(data.items()) if k not in ("spec", "name", "backend")
+               and (flat := _flat(v)) is not None]  # fmt: skip
     return ", ".join(scalars[:limit])
+
+
+def event_subject(event: dict[str, Any]) -> str:
+    """What an event is about, by name: a resource's own events say `name`, the gateway's say `backend`."""
+    data = event.get("data") or {}
+    return str(data.get("name") or data.get("backend") or event.get("subject_id") or "-")
+
+
+def _flat(value: Any) -> Any:
+    """A scalar as it is, a list of scalars joined with commas (a backend event's `models`); else None."""
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value) if not any(isinstance(v, (dict, list)) for v in value) else None
+    return None if isinstance(value, dict) else value
 
 
 def _short(value: Any, width: int = 60) -> str:

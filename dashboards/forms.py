@@ -18,7 +18,19 @@ from dashboards.describe import labels_text
 from dashboards.session import LocalFieldErrors, field_error, form_errors, form_summary
 
 CONDITION_KINDS = ("burn_rate", "latency", "error_ratio", "gauge", "stale")
-ACTION_KINDS = ("tune_batching", "switch_variant", "shed", "fallback")
+ACTION_KINDS = ("tune_batching", "overflow", "switch_variant", "shed", "fallback")  # the ladder, mildest first
+OVERFLOW_MODES = ("deadline", "fraction", "priority")
+OVERFLOW_HELP = "requests predicted to miss their deadline always go to the cloud; a mode can add more"
+OVERFLOW_MODE_LABELS = {
+    "deadline": "deadline: only requests predicted to miss their deadline",
+    "fraction": "fraction: those, and a share of the rest",
+    "priority": "priority: those, and every request at a priority level or lower",
+}
+# What each overflow mode takes besides the predicted deadline misses: the form field it needs, and what to ask.
+OVERFLOW_PARAMETERS = {
+    "fraction": ("fraction", "mode fraction needs the share of the other requests to send: 0 < fraction ≤ 1"),
+    "priority": ("priority_at_or_below", "mode priority needs the priority level to send, with every lower one"),
+}
 GAUGE_METRICS = ("queue_depth", "gpu_memory_free_bytes", "gpu_memory_free_ratio", "gpu_temperature_c",
                  "gpu_utilization")  # fmt: skip
 OPS = (">", ">=", "<", "<=")
@@ -142,6 +154,14 @@ def _kind_picker(form: Form, path: str, label: str, kinds: tuple[str, ...], curr
     return str(form.field(path, st.selectbox, label, kinds, index=index))
 
 
+def whole_errors(form: Form, path: str, kind: str) -> None:
+    """The API's messages about a condition or action as a whole (a check across its fields): it names them
+    `action.overflow`, the union's tag and no field, so no field takes them."""
+    for found, message in form.errors.items():
+        if found in (path, f"{path}.{kind}"):
+            st.error(message, icon=":material/error:")
+
+
 def condition_fields(form: Form, kind: str, current: dict[str, Any], slo_names: list[str]) -> dict[str, Any]:
     c = current if current.get("kind") == kind else {}
     body: dict[str, Any] = {"kind": kind}
@@ -203,6 +223,17 @@ def action_fields(form: Form, kind: str, current: dict[str, Any]) -> dict[str, A
         sizes = ",".join(str(s) for s in a.get("preferred_batch_sizes") or [])
         body["preferred_batch_sizes"] = form.field("action.preferred_batch_sizes", st.text_input,
                                                    "Preferred batch sizes (e.g. 4,8)", value=sizes)  # fmt: skip
+    elif kind == "overflow":
+        mode = a.get("mode", "deadline")
+        body["mode"] = form.field("action.mode", st.selectbox, "Send to the cloud", OVERFLOW_MODES,
+                                  index=OVERFLOW_MODES.index(mode) if mode in OVERFLOW_MODES else 0,
+                                  format_func=OVERFLOW_MODE_LABELS.get, help=OVERFLOW_HELP)  # fmt: skip
+        body["fraction"] = form.field("action.fraction", st.number_input, "Share of the rest (mode fraction, 0-1)",
+                                      value=optional_number(a.get("fraction")), step=0.05, format="%.3f")  # fmt: skip
+        level = a.get("priority_at_or_below")
+        body["priority_at_or_below"] = form.field("action.priority_at_or_below", st.number_input,
+                                                  "Priority level and every lower one (mode priority)",
+                                                  value=None if level is None else int(level), step=1)  # fmt: skip
     elif kind == "switch_variant":
         body["version"] = form.field("action.version", st.number_input, "Serve model version",
                                      value=int(a.get("version", 2)), step=1)  # fmt: skip
@@ -225,7 +256,16 @@ def action_fields(form: Form, kind: str, current: dict[str, Any]) -> dict[str, A
 
 
 def finish_action(body: dict[str, Any]) -> dict[str, Any]:
-    """Turn the text fields of an action into JSON values."""
+    """Turn the text fields of an action into JSON values. An overflow action sends only its mode's parameter
+    (both fields are drawn, as the form cannot redraw itself on a choice); an empty one is this field's error."""
+    if body["kind"] == "overflow":
+        mode = body["mode"]
+        for other, (path, _) in OVERFLOW_PARAMETERS.items():
+            if other != mode:
+                body.pop(path)
+        needed = OVERFLOW_PARAMETERS.get(mode)
+        if needed is not None and body[needed[0]] is None:
+            raise LocalFieldErrors({f"action.{needed[0]}": needed[1]})
     if body["kind"] == "tune_batching":
         body["preferred_batch_sizes"] = parse_sizes(body["preferred_batch_sizes"])
     if body["kind"] == "fallback":
@@ -264,9 +304,11 @@ def rule_form(key: str, current: dict[str, Any] | None, disabled: bool, slo_name
         cond_col, act_col, hyst_col = st.columns(3)
         with cond_col:
             st.markdown(f"**When** · `{condition_kind}`")
+            whole_errors(form, "condition", condition_kind)
             condition = condition_fields(form, condition_kind, current.get("condition") or {}, slo_names)
         with act_col:
             st.markdown(f"**Then** · `{action_kind}`")
+            whole_errors(form, "action", action_kind)
             action = action_fields(form, action_kind, current.get("action") or {})
         with hyst_col:
             st.markdown("**Hysteresis**")

@@ -19,7 +19,7 @@ from tests.utils.builders import BUILDERS, make_agent
 
 PROBES = {"/healthz", "/readyz"}
 RANK = {"viewer": 0, "editor": 1, "admin": 2, "agent": 99}  # no operator role reaches agent endpoints
-AGENT_ONLY = {"/v1/metrics"}
+AGENT_ONLY = {"/v1/metrics", "/v2/models/{model}/infer", "/v2/models/{model}/versions/{version}/infer"}  # + gateway
 READ_ONLY = {"/metrics", "/api/v1/agents/{item_id}/metrics"}  # Prometheus scrape, an agent's telemetry
 AGENT_OWN = {"/api/v1/agents/{item_id}/policy"}  # viewers, and the agent itself (tests/test_policy_api.py)
 

@@ -3,6 +3,7 @@
 No `from __future__ import annotations` here: FastAPI reads the body types from the closures' annotations.
 """
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Response, status
@@ -26,11 +27,17 @@ def resource_router(
     reader: Any,
     writer: Any,
     with_create: bool = True,
+    on_change: Callable[[], None] | None = None,
 ) -> APIRouter:
-    """GET list, POST, GET one, PUT, PATCH and DELETE for `kind`, with ETags and audit events."""
+    """GET list, POST, GET one, PUT, PATCH and DELETE for `kind`, with ETags and audit events; `on_change` is
+    called after each committed change (the gateway reloads its backends before its next request)."""
     router = APIRouter(prefix=f"/api/v1/{plural}", tags=[plural])
     create_model = kind.create
     singular = kind.singular
+
+    def changed() -> None:
+        if on_change is not None:
+            on_change()
 
     def _send(row: Any, response: Response) -> BaseModel:
         response.headers["ETag"] = repo.etag(row)
@@ -55,6 +62,7 @@ def resource_router(
         ) -> Any:
             row = repo.create_row(session, kind, body, actor_of(who, reason))
             session.commit()
+            changed()
             response.headers["Location"] = f"/api/v1/{plural}/{row.id}"
             return _send(row, response)
 
@@ -76,6 +84,7 @@ def resource_router(
     ) -> Any:
         row = repo.replace_row(session, kind, item_id, body, if_match, actor_of(who, reason))
         session.commit()
+        changed()
         return _send(row, response)
 
     @router.patch("/{item_id}", response_model=read_model, summary=f"Change some fields of a {singular}")
@@ -90,6 +99,7 @@ def resource_router(
     ) -> Any:
         row = repo.patch_row(session, kind, item_id, body, if_match, actor_of(who, reason))
         session.commit()
+        changed()
         return _send(row, response)
 
     @router.delete("/{item_id}", status_code=status.HTTP_204_NO_CONTENT, summary=f"Delete a {singular}")
@@ -102,6 +112,7 @@ def resource_router(
     ) -> Response:
         repo.delete_row(session, kind, item_id, if_match, actor_of(who, reason))
         session.commit()
+        changed()
         return Response(status_code=status.HTTP_204_NO_CONTENT)
 
     return router

@@ -95,6 +95,40 @@ class ControlLoopState(BaseModel):
     pairs: int | None = Field(description="(rule, agent) pairs the last cycle evaluated")
 
 
+class GatewayBackendState(BaseModel):
+    """One cloud backend as this replica's gateway sees it (each replica learns on its own)."""
+
+    id: str
+    name: str
+    url: str
+    models: list[str]
+    healthy: bool = Field(description="passing its readiness checks for every model it lists")
+    unhealthy_models: list[str] = Field(description="models whose readiness checks fail")
+    ejected: bool = Field(description="out of the pool after consecutive failures (outlier detection)")
+    ejected_until: datetime | None
+    times_ejected: int = Field(description="the ejection multiplier: each ejection lasts base x this")
+    consecutive_failures: int
+    outstanding: int = Field(description="requests in flight at this backend now")
+    max_concurrency: int
+    weight: float
+    requests: int = Field(description="attempts sent since this process started")
+    errors: int = Field(description="attempts that failed: connect, reset, timeout, 5xx")
+    busy: int = Field(default=0, description="attempts the backend shed (503 with Retry-After): retried, not errors")
+    p50_ms: float | None = Field(description="over the last 256 attempts")
+    p99_ms: float | None
+    last_error: str | None
+
+
+class GatewayState(BaseModel):
+    """The overflow gateway on this replica."""
+
+    active_requests: int
+    active_retries: int
+    retry_limit: float = Field(description="retries allowed in flight now (the retry budget)")
+    loaded_at: datetime | None = Field(description="when the backends were last loaded from the database")
+    backends: list[GatewayBackendState]
+
+
 class FleetStatus(BaseModel):
     version: str
     agents: AgentCounts
@@ -105,6 +139,7 @@ class FleetStatus(BaseModel):
     live: FleetLive
     slo_states: list[SloState] = Field(description="every SLO now, least budget left first")
     control_loop: ControlLoopState
+    gateway: GatewayState
 
 
 MAX_LIVE_WINDOW_S = 86400
@@ -165,6 +200,7 @@ def fleet_status(request: Request, session: SessionDep, settings: SettingsDep, _
         live=FleetLive.model_validate(live_traffic(session, window_s, now)),
         slo_states=[SloState.model_validate(s) for s in slo_states(request, session, settings.evaluation_interval_s)],
         control_loop=_loop_state(request, settings.control_loop_interval_s),
+        gateway=GatewayState.model_validate(request.app.state.gateway.status()),
     )
 
 

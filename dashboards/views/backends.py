@@ -1,17 +1,23 @@
-"""Backends: the cloud V2 servers that take the overflow, their recent changes, and forms to add and edit them."""
+"""Backends: the cloud V2 servers that take the overflow, their live state in the gateway, their recent events, and
+forms to add and edit them."""
 
 from __future__ import annotations
+
+from datetime import datetime, timezone
 
 import pandas as pd
 import streamlit as st
 
 from dashboards import forms, session
-from dashboards.describe import clock, event_numbers
+from dashboards.describe import clock, event_numbers, event_subject
+from dashboards.gateway import gateway_rows, gateway_summary, gateway_view
 
-HEALTH_NOTE = (
-    "Health, outstanding requests, latency, ejections and recent errors per backend come with the overflow "
-    "gateway: the REST API does not report them yet, so this page shows configuration and its audit trail."
+NO_GATEWAY_NOTE = (
+    "This control plane reports no overflow gateway state (its `/api/v1/status` has no `gateway` section: a "
+    "version from before the gateway), so health, ejections, outstanding requests, latency and errors per backend "
+    "cannot be shown. The configuration and its audit trail below are current."
 )
+EVENTS_SHOWN = 30
 
 
 def render() -> None:
@@ -24,23 +30,36 @@ def render() -> None:
 
 def _overview() -> None:
     api = session.api()
-    backends = api.list_all("backends")
-    if not backends:
+    backends = sorted(api.list_all("backends"), key=lambda b: b["name"])
+    view = gateway_view(api.status())
+    st.subheader("Live state in the gateway")
+    if view is None:
+        st.info(NO_GATEWAY_NOTE)
+    elif not backends and not view.backends:
         st.info("No cloud backends yet: overflow has nowhere to go. Add one below.")
+    else:
+        st.dataframe(pd.DataFrame(gateway_rows(view, backends, datetime.now(timezone.utc))), hide_index=True,
+                     column_config={"p50 ms": st.column_config.NumberColumn(format="%.1f"),
+                                    "p99 ms": st.column_config.NumberColumn(format="%.1f")})  # fmt: skip
+        st.caption(gateway_summary(view))
+    st.subheader("Configuration")
+    if not backends:
+        st.caption("No backends configured.")
     else:
         st.dataframe(pd.DataFrame([{
             "backend": b["name"], "url": b["url"], "models": ", ".join(b["models"]), "weight": b["weight"],
             "max concurrency": b["max_concurrency"], "timeout ms": b["timeout_ms"],
             "binary tensors": b["binary_tensors"], "auth header": "set" if b["auth_header_set"] else "-",
             "version": b["version"], "updated": clock(b["updated_at"]),
-        } for b in sorted(backends, key=lambda b: b["name"])]), hide_index=True)  # fmt: skip
-    st.caption(HEALTH_NOTE)
-    events = api.events(kind="backend.*", limit=20)["items"]
+        } for b in backends]), hide_index=True)  # fmt: skip
+    events = api.events(kind="backend.*", limit=EVENTS_SHOWN)["items"]
+    st.subheader("Recent backend events")
     if events:
-        st.markdown("**Recent backend changes**")
-        st.dataframe(pd.DataFrame([{"time": clock(e["ts"]), "kind": e["kind"], "backend": e["data"].get("name"),
-                                    "actor": e["actor"], "changes": event_numbers(e),
-                                    "reason": e["reason"]} for e in events]), hide_index=True)  # fmt: skip
+        st.dataframe(pd.DataFrame([{"time": clock(e["ts"]), "kind": e["kind"], "backend": event_subject(e),
+                                    "reason": e["reason"], "numbers": event_numbers(e),
+                                    "actor": e["actor"]} for e in events]), hide_index=True)  # fmt: skip
+    else:
+        st.caption("No backend events yet: changes, ejections, returns and readiness changes show here.")
 
 
 def _editing() -> None:

@@ -16,6 +16,7 @@ from dashboards.describe import (
     ladder,
     number,
     outcome_mix,
+    overflow_text,
     worst_p99,
 )
 from dashboards.history import sample_log
@@ -140,6 +141,7 @@ def _device(agent_id: str, window: str) -> None:
         st.dataframe(pd.DataFrame([{
             "model": name, "variant": m.get("variant"), "batch window µs": m.get("max_queue_delay_us"),
             "preferred sizes": ",".join(str(s) for s in m.get("preferred_batch_sizes") or []) or None,
+            "overflow": overflow_text(m.get("overflow")),
             "shed": None if not m.get("shed") else f"priority ≥ {m['shed']['at_or_below']}",
             "fallback": None if not m.get("fallback")
             else f"{m['fallback']['mode']} for ≥ {m['fallback']['at_or_below']}",

@@ -9,7 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboards import charts, session
-from dashboards.describe import clock, event_numbers
+from dashboards.describe import clock, event_numbers, event_subject
 
 KINDS = ("rule.*", "rule.would_*", "policy.published", "slo.*", "backend.*", "agent.*", "api_key.*")
 SPANS = {"last 15 minutes": timedelta(minutes=15), "last hour": timedelta(hours=1), "last day": timedelta(days=1),
@@ -57,7 +57,7 @@ def _timeline(filters: dict[str, Any], span: timedelta | None, pages_key: str, a
     st.dataframe(pd.DataFrame([{
         "time": clock(e["ts"]), "kind": e["kind"], "numbers": event_numbers(e),
         "agent": agents.get(e["agent_id"] or "", e["agent_id"]) or "-",
-        "rule": rules.get(e["rule_id"] or "", e["rule_id"]) or "-", "subject": e["data"].get("name", e["subject_id"]),
+        "rule": rules.get(e["rule_id"] or "", e["rule_id"]) or "-", "subject": event_subject(e),
         "actor": e["actor"], "reason": e["reason"], "id": e["id"],
     } for e in events]), hide_index=True)  # fmt: skip
     more = cursor is not None and st.session_state.get(pages_key, 1) < MAX_PAGES

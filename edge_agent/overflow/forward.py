@@ -20,6 +20,9 @@ from edge_agent.overflow.breaker import BreakerConfig, CircuitBreaker
 if TYPE_CHECKING:
     import aiohttp
 
+# Refusals that say the cloud is busy right now, not broken: they do not count against it in the breaker.
+BUSY = frozenset({"deadline_unmeetable", "queue_full", "no_capacity", "shed", "timeout", "deadline_exceeded"})
+MARGIN_S, MARGIN_SHARE = 0.020, 0.2  # of the deadline, kept back from the gateway's share (at most 20 ms)
 # Headers of the gateway's answer that the agent passes on to its client.
 _PASSED_ON = ("content-type", "inference-header-content-length", "spillway-backend", "spillway-attempts")
 
@@ -93,7 +96,10 @@ class Forwarder:
                               retry_after_s=max(1.0, self.breaker.config.open_s))  # fmt: skip
         import aiohttp
 
-        sent = {**headers, "authorization": self._auth, "spillway-timeout-us": str(int(budget * 1e6))}
+        # The gateway gets the deadline less a margin, so that it says "too late" (504, the cloud was busy) before
+        # this side gives up on it (a timeout here means the gateway itself did not answer: a failure).
+        margin = min(MARGIN_S, budget * MARGIN_SHARE)
+        sent = {**headers, "authorization": self._auth, "spillway-timeout-us": str(int((budget - margin) * 1e6))}
         self.in_flight += 1
         self.sent += 1
         started = self._clock()
@@ -108,8 +114,11 @@ class Forwarder:
                     self.answered += 1
                     kept = {k: response.headers[k] for k in _PASSED_ON if k in response.headers}
                     return Forwarded(payload, kept, elapsed)
-                self.breaker.record(False, elapsed)
-                code = _error_code(payload) or str(response.status)
+                code = response.headers.get("spillway-reason") or _error_code(payload) or str(response.status)
+                if code in BUSY:
+                    self.breaker.release()  # the cloud is full, not failing: no verdict on its health
+                else:
+                    self.breaker.record(False, elapsed)
                 retry = _retry_after(response.headers.get("retry-after"))
                 return self._fail(f"gateway_{code}", f"the gateway answered {response.status}: {_brief(payload)}",
                                   retry_after_s=retry)  # fmt: skip
@@ -146,15 +155,20 @@ class Forwarder:
 
 
 def _error_code(payload: bytes) -> str | None:
-    """The control plane's stable error code (`{"error": "no_capacity", ...}`), if the body has one."""
+    """A stable error code in the body: an agent's `reason`, or the control plane's `error` (`no_capacity`)."""
     import json
 
     try:
         body = json.loads(payload)
     except ValueError:
         return None
-    code = body.get("error") if isinstance(body, dict) else None
-    return code if isinstance(code, str) and code.isidentifier() and len(code) <= 64 else None
+    if not isinstance(body, dict):
+        return None
+    for key in ("reason", "error"):
+        code = body.get(key)
+        if isinstance(code, str) and code.isidentifier() and len(code) <= 64:
+            return code
+    return None
 
 
 def _retry_after(value: str | None) -> float:

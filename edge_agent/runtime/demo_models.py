@@ -149,6 +149,55 @@ def build_demo_repository(out: Path, *, seed: int = SEED) -> Path:
     return out
 
 
+SLOW_REPEATS = 24  # ~20 ms a request on one CPU thread: a device whose capacity is small and CPU-bound
+
+
+def build_slow_mlp(*, repeats: int = SLOW_REPEATS, width: int = 2048, seed: int = SEED) -> onnx.ModelProto:
+    """`mlp`'s inputs and outputs with a deliberately slow middle: one width x width layer applied `repeats` times
+    (its weights stored once, so the file stays ~30 MB). For stories and benchmarks that need a small capacity
+    with little HTTP work per unit of compute (overflow on a 2-core machine)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    weights = {
+        "w_in": rng.standard_normal((INPUT_DIM, width), dtype=np.float32) / np.sqrt(INPUT_DIM),
+        "w_mid": rng.standard_normal((width, width), dtype=np.float32) / np.sqrt(width),
+        "w_out": rng.standard_normal((width, OUTPUT_DIM), dtype=np.float32) / np.sqrt(width),
+        "b_mid": np.zeros(width, np.float32),
+        "b_out": np.zeros(OUTPUT_DIM, np.float32),
+    }
+    nodes = [helper.make_node("Gemm", ["input", "w_in", "b_mid"], ["g0"]), helper.make_node("Relu", ["g0"], ["r0"])]
+    for i in range(1, repeats + 1):
+        nodes += [helper.make_node("Gemm", [f"r{i - 1}", "w_mid", "b_mid"], [f"g{i}"]),
+                  helper.make_node("Relu", [f"g{i}"], [f"r{i}"])]  # fmt: skip
+    nodes.append(helper.make_node("Gemm", [f"r{repeats}", "w_out", "b_out"], ["output"]))
+    graph = helper.make_graph(
+        nodes,
+        f"{MODEL_NAME}_slow",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", INPUT_DIM])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", OUTPUT_DIM])],
+        [numpy_helper.from_array(array.astype(np.float32), name) for name, array in weights.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="spillway")
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model)
+    return model
+
+
+def build_slow_repository(out: Path, *, repeats: int = SLOW_REPEATS) -> Path:
+    """`out/mlp/1/model.onnx` from `build_slow_mlp`, served one request at a time (max batch 1) on one instance,
+    with the demo's priority levels and deadlines; returns `out`."""
+    config = (
+        CONFIG_PBTXT.replace(f"max_batch_size: {MAX_BATCH_SIZE}", "max_batch_size: 1")
+        .replace("  preferred_batch_size: [ 8, 16, 32 ]\n", "")
+        .replace("version_policy { all { } }", "version_policy { specific { versions: [1] } }")
+    )
+    _write_atomically(out / MODEL_NAME / "1" / "model.onnx", build_slow_mlp(repeats=repeats).SerializeToString())
+    _write_atomically(out / MODEL_NAME / "config.pbtxt", config.encode())
+    return out
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
     """Write to a temporary file next to `path`, then rename: a reader never sees half a model."""
     path.parent.mkdir(parents=True, exist_ok=True)

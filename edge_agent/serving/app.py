@@ -281,6 +281,7 @@ class InferenceApp:
                                    allow_non_finite=self.allow_non_finite)  # fmt: skip
             _check_requested_outputs(request.outputs, config)
             priority, timeout_s = _scheduling_parameters(request.parameters)
+            timeout_s = _within_budget(timeout_s, headers.get(b"spillway-timeout-us"))
         except (TensorError, ValueError) as exc:
             stats.outcome(0, "rejected")
             await _reject(send, 400, str(exc), "invalid_request")
@@ -594,6 +595,18 @@ def _header_length(headers: dict[bytes, bytes]) -> int | None:
     if not raw.isdigit():
         raise TensorError("Inference-Header-Content-Length must be a non-negative integer")
     return int(raw)
+
+
+def _within_budget(timeout_s: float | None, budget: bytes | None) -> float | None:
+    """The request's timeout, shortened to `Spillway-Timeout-Us`: what is left of the deadline of a request that an
+    edge agent overflowed (the gateway passes it on), so that a cloud agent refuses at once what it cannot answer
+    in time instead of answering after the edge gave up."""
+    if budget is None:
+        return timeout_s
+    if not budget.isdigit():
+        raise ValueError("header Spillway-Timeout-Us must be a whole number of microseconds")
+    left = max(int(budget), 1) / 1e6
+    return left if timeout_s is None else min(timeout_s, left)
 
 
 def _scheduling_parameters(parameters: dict[str, Any]) -> tuple[int, float | None]:

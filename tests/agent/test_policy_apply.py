@@ -125,7 +125,10 @@ def test_fallback_default_answers_with_the_documents_outputs_and_says_so(lite_re
         assert r.status_code == 200, r.text
         assert r.headers["spillway-outcome"] == "fallback_default"
         body = r.json()
-        assert body["parameters"] == {"spillway_outcome": "fallback_default", "spillway_fallback": "default"} and body["id"] == "q7"
+        assert (
+            body["parameters"] == {"spillway_outcome": "fallback_default", "spillway_fallback": "default"}
+            and body["id"] == "q7"
+        )
         assert body["model_name"] == "mlp" and body["model_version"] == "2"
         np.testing.assert_array_equal(output(r), np.full((3, 1000), 0.25, np.float32))  # one row per input row
         # Binary outputs work for fallbacks too.
@@ -135,7 +138,9 @@ def test_fallback_default_answers_with_the_documents_outputs_and_says_so(lite_re
         length = int(binary.headers["inference-header-content-length"])
         np.testing.assert_array_equal(np.frombuffer(binary.content[length:], np.float32), np.full(1000, 0.25))
         served = await c.post("/v2/models/mlp/infer", json=infer_body(x, priority=2))
-        assert served.headers["spillway-outcome"] == "local" and served.json()["parameters"] == {"spillway_outcome": "local"}
+        assert served.headers["spillway-outcome"] == "local" and served.json()["parameters"] == {
+            "spillway_outcome": "local"
+        }
 
     run(agent, scenario)
     assert outcomes(agent, 2) == {(3, "fallback_default"): 2, (2, "local"): 1}
@@ -156,7 +161,10 @@ def test_fallback_cache_serves_the_last_answer_to_the_same_inputs_and_refuses_a_
         hit = await c.post("/v2/models/mlp/infer", json=infer_body(x, priority=3))
         assert hit.status_code == 200, hit.text
         assert hit.headers["spillway-outcome"] == "fallback_cache"
-        assert hit.json()["parameters"] == {"spillway_outcome": "fallback_cache", "spillway_fallback": "cache"} and hit.json()["model_version"] == "2"
+        assert (
+            hit.json()["parameters"] == {"spillway_outcome": "fallback_cache", "spillway_fallback": "cache"}
+            and hit.json()["model_version"] == "2"
+        )
         miss = await c.post("/v2/models/mlp/infer", json=infer_body(y, priority=2))
         assert miss.status_code == 503 and miss.headers["spillway-reason"] == "fallback_miss"
         assert miss.headers["spillway-outcome"] == "rejected" and miss.headers["retry-after"] == "5"

@@ -135,8 +135,14 @@ def test_every_page_loads_and_shows_the_seeded_fleet(browser: Any, dashboard: st
         "fleet": ("", ["jetson-berlin-01", "desktop-gpu-lab", "degraded", "mlp-latency", "2 / 2", "185"]),
         "device": (f"device?agent={berlin}", ["degraded", "945", "80 / 80", "5.25 GiB", "shed-on-deep-queue", "185"]),
         "slos": ("slos", ["mlp-latency", "mlp-availability", "56m/5m", "14.4", "FIRING"]),
-        "rules": ("rules", ["shed-on-deep-queue", "lite-on-fast-burn", "dry run", "shed low priorities"]),
-        "backends": ("backends", ["cloud-triton-eu", "http://127.0.0.1:8500"]),
+        "rules": (
+            "rules",
+            ["shed-on-deep-queue", "lite-on-fast-burn", "dry run", "overflow to the cloud", "shed low priorities"],
+        ),
+        "backends": (
+            "backends",
+            ["cloud-triton-eu", "http://127.0.0.1:8500", "Live state in the gateway", "requests in flight"],
+        ),
         "events": ("events", ["rule.fired", "policy.published", "slo.created"]),
     }
     context = browser.new_context(viewport=VIEWPORT)

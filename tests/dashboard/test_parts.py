@@ -12,9 +12,23 @@ import pytest
 from typer.testing import CliRunner
 
 from controlplane.cli import app
+from controlplane.schemas.rules import ACTION_LADDER
+from controlplane.slo.maths import GOOD_OUTCOMES
 from dashboards.api import ApiError, ApiUnreachable, SpillwayApi, field_errors, gather
-from dashboards.describe import agent_state, event_numbers, ladder, rule_now, worst_p99
-from dashboards.forms import parse_alert_windows, parse_sizes
+from dashboards.charts import OUTCOME_COLOURS, OUTCOME_LABELS, outcome_bars
+from dashboards.describe import (
+    LADDER,
+    action_text,
+    agent_state,
+    event_numbers,
+    event_subject,
+    ladder,
+    overflow_text,
+    rule_now,
+    worst_p99,
+)
+from dashboards.forms import ACTION_KINDS, finish_action, parse_alert_windows, parse_sizes
+from dashboards.gateway import NOT_LOADED, GatewayView, backend_state, gateway_rows, gateway_summary, gateway_view
 from dashboards.history import SampleLog
 from dashboards.launch import dashboard_env, start_dashboard, streamlit_command, wait_ready
 from dashboards.session import LocalFieldErrors, field_matches
@@ -106,13 +120,107 @@ def test_ladder_shows_each_rung_in_force_who_put_it_there_and_who_could() -> Non
         {"name": "batch", "action": {"kind": "tune_batching"}, "selector": {"labels": {}}, "enabled": True},
     ]
     rows = {r["rung"]: r for r in ladder(policy, rules, {"labels": {"site": "b"}})}
-    assert [r["step"] for r in rows.values()] == [1, 2, 3, 4]
-    assert rows["lighter variant"] == {"step": 2, "rung": "lighter variant", "in force": "yes",
+    assert [r["step"] for r in rows.values()] == [1, 2, 3, 4, 5]
+    assert rows["lighter variant"] == {"step": 3, "rung": "lighter variant", "in force": "yes",
                                             "now": "mlp: variant 2", "by rules": "lite",
                                             "rules that can take it": "lite"}  # fmt: skip
     assert rows["shed low priorities"]["now"] == "mlp: priority ≥ 3 refused"
     assert rows["serve fallbacks"]["rules that can take it"] == "-"  # another site's, and a dry run's
     assert rows["tune batching"]["in force"] == "no" and rows["tune batching"]["rules that can take it"] == "batch"
+
+
+def test_the_ladder_and_the_action_kinds_follow_the_control_planes_ladder() -> None:
+    assert tuple(rung for rung, _ in LADDER) == ACTION_LADDER
+    assert ACTION_KINDS == ACTION_LADDER
+
+
+def test_overflow_in_words_for_each_mode_and_in_a_policy() -> None:
+    deadline = "overflow to the cloud: requests predicted to miss their deadline"
+    assert action_text({"kind": "overflow", "mode": "deadline"}) == deadline
+    assert action_text({"kind": "overflow", "mode": "fraction", "fraction": 0.05}) == f"{deadline} and 5 % of the rest"
+    by_priority = {"kind": "overflow", "mode": "priority", "priority_at_or_below": 3}
+    assert action_text(by_priority) == f"{deadline} and all of priority 3 and lower"
+    assert overflow_text(None) is None
+    assert overflow_text({"fraction": 0.0, "at_or_below": None}) == "deadline misses overflow"
+    assert overflow_text({"fraction": 0.125, "at_or_below": 2}) == (
+        "deadline misses, 12.5 % of the rest and priority ≥ 2 overflow"
+    )
+    policy = {"models": {"mlp": {"overflow": {"fraction": 0.5, "at_or_below": None}}},
+              "causes": [{"name": "spill", "action": "overflow"}]}  # fmt: skip
+    rules = [{"name": "spill", "action": {"kind": "overflow", "mode": "fraction", "fraction": 0.5}, "selector": {}}]
+    rung = {r["rung"]: r for r in ladder(policy, rules, {"labels": {}})}["overflow to the cloud"]
+    assert rung == {"step": 2, "rung": "overflow to the cloud", "in force": "yes",
+                    "now": "mlp: deadline misses and 50 % of the rest overflow", "by rules": "spill",
+                    "rules that can take it": "spill"}  # fmt: skip
+
+
+def test_an_overflow_action_sends_only_its_modes_parameter_and_names_a_missing_one() -> None:
+    drawn = {"kind": "overflow", "mode": "fraction", "fraction": 0.25, "priority_at_or_below": 2}
+    assert finish_action(dict(drawn)) == {"kind": "overflow", "mode": "fraction", "fraction": 0.25}
+    assert finish_action({**drawn, "mode": "deadline"}) == {"kind": "overflow", "mode": "deadline"}
+    assert finish_action({**drawn, "mode": "priority"}) == {"kind": "overflow", "mode": "priority",
+                                                            "priority_at_or_below": 2}  # fmt: skip
+    with pytest.raises(LocalFieldErrors) as missing:
+        finish_action({**drawn, "fraction": None})
+    assert list(missing.value.fields) == ["action.fraction"]
+    with pytest.raises(LocalFieldErrors) as missing:
+        finish_action({**drawn, "mode": "priority", "priority_at_or_below": None})
+    assert list(missing.value.fields) == ["action.priority_at_or_below"]
+
+
+def test_every_outcome_an_agent_reports_has_a_colour_and_a_legend_label() -> None:
+    outcomes = GOOD_OUTCOMES | {"rejected", "error"}  # the SLO maths' good ones, and the two bad ones
+    assert outcomes == set(OUTCOME_COLOURS) == set(OUTCOME_LABELS)
+    assert len(set(OUTCOME_COLOURS.values())) == len(OUTCOME_COLOURS)  # no two outcomes look alike
+    ordered = list(OUTCOME_COLOURS)
+    rows = [{"group": "mlp p1", "outcome": o, "requests": 1} for o in (*reversed(ordered), "later_kind")]
+    scale = outcome_bars(rows).to_dict()["encoding"]["color"]["scale"]
+    assert scale["domain"] == [OUTCOME_LABELS[o] for o in ordered] + ["later_kind"]  # unknown: its own name, last
+    assert scale["range"] == [OUTCOME_COLOURS[o] for o in ordered] + ["#757575"]
+
+
+NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=timezone.utc)
+GATEWAY_BACKEND = {
+    "id": "b1", "name": "cloud-eu", "url": "http://eu:8000", "models": ["mlp", "resnet"], "healthy": False,
+    "unhealthy_models": ["resnet"], "ejected": True, "ejected_until": "2026-11-30T12:00:25Z", "times_ejected": 2,
+    "outstanding": 3, "max_concurrency": 64, "requests": 200, "errors": 9, "p50_ms": 12.5, "p99_ms": 80.0,
+    "last_error": "503 from backend",
+}  # fmt: skip
+
+
+def test_gateway_state_per_backend_from_a_status_section() -> None:
+    """The rendering of the status's `gateway` section, on a section shaped as the control plane's
+    (controlplane/api/status.py GatewayState); the Backends page test shows the same from a live gateway."""
+    section = {"active_requests": 4, "active_retries": 1, "retry_limit": 3.0,
+               "loaded_at": "2026-11-30T11:59:58Z", "backends": [GATEWAY_BACKEND]}  # fmt: skip
+    view = gateway_view({"gateway": section})
+    assert view is not None
+    configured = [{"id": "b1", "name": "cloud-eu"}, {"id": "b2", "name": "cloud-new"}]
+    rows = {r["backend"]: r for r in gateway_rows(view, configured, NOW)}
+    assert rows["cloud-eu"] == {
+        "backend": "cloud-eu", "state": "ejected until 2026-11-30 12:00:25 (25 s left); unhealthy (resnet)",
+        "in flight / cap": "3 / 64", "requests": 200, "errors": 9, "error rate": "4.5%", "p50 ms": 12.5,
+        "p99 ms": 80.0, "ejection multiplier": 2, "last error": "503 from backend",
+    }  # fmt: skip
+    assert rows["cloud-new"] == {"backend": "cloud-new", "state": NOT_LOADED}  # added since the gateway's last load
+    assert gateway_summary(view).startswith(
+        "Gateway: 4 requests in flight, 1 retries in flight of 3 allowed, backends loaded 2026-11-30 11:59:58 UTC."
+    )
+    deleted = gateway_rows(view, [], NOW)  # deleted since: still shown while the gateway holds it
+    assert [r["backend"] for r in deleted] == ["cloud-eu"]
+
+
+def test_gateway_state_as_a_bare_list_or_missing() -> None:
+    view = gateway_view({"gateway": [GATEWAY_BACKEND]})
+    assert view == GatewayView([GATEWAY_BACKEND], {})
+    assert gateway_summary(view).startswith("As seen by the control-plane replica")
+    assert gateway_view({"agents": {}}) is None  # a control plane from before the gateway: the page says so
+    fine = {**GATEWAY_BACKEND, "healthy": True, "ejected": False, "ejected_until": None}
+    assert backend_state(fine, NOW) == "healthy"
+    assert backend_state({"ejected": True}, NOW) == "ejected"
+    row = gateway_rows(GatewayView([{"id": "x", "name": "bare", "requests": 0}]), [], NOW)[0]
+    shown = (row["state"], row["error rate"], row["in flight / cap"], row["last error"])
+    assert shown == ("healthy", "-", "- / -", "-")
 
 
 def test_agent_state_and_slowest_p99() -> None:
@@ -131,6 +239,11 @@ def test_event_numbers_give_the_numbers_behind_each_event() -> None:
     assert event_numbers(changed) == "objective: 99.5 -> 99.9"
     published = {"kind": "policy.published", "data": {"version": 3, "causes": [{"name": "r", "action": "shed"}]}}
     assert event_numbers(published) == "version 3, causes: r (shed)"
+    data = {"backend": "cloud-eu", "models": ["mlp", "resnet"], "failures": 2, "error": None}
+    unhealthy = {"kind": "backend.unhealthy", "subject_id": "b1", "data": data}
+    assert event_numbers(unhealthy) == "failures=2, models=mlp,resnet"
+    assert event_subject(unhealthy) == "cloud-eu"
+    assert event_subject({"kind": "backend.created", "data": {"name": "cloud-us"}}) == "cloud-us"
 
 
 def test_form_parsing_reports_mistakes_per_field() -> None:

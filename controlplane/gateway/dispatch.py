@@ -1,0 +1,96 @@
+"""The gateway's way in: an outermost ASGI layer that takes `POST /v2/models/{m}[/versions/{v}]/infer` for
+itself and hands everything else to the FastAPI stack, so inference never pays for routing and middleware.
+
+The same two paths are also FastAPI routes (`gateway_router`), for the OpenAPI document and for anything that
+walks the app's routes; they answer through the same `Gateway.serve` should a request ever reach them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from controlplane.gateway.forward import Gateway
+from controlplane.schemas.common import ERROR_RESPONSES, ErrorBody
+
+_PREFIX = "/v2/models/"
+_SUFFIX = "/infer"
+
+
+def infer_target(path: str) -> tuple[str, str | None] | None:
+    """(model, version or None) for the two infer paths of the Open Inference Protocol, else None."""
+    if not (path.startswith(_PREFIX) and path.endswith(_SUFFIX)) or len(path) <= len(_PREFIX) + len(_SUFFIX):
+        return None
+    parts = path[len(_PREFIX) : -len(_SUFFIX)].split("/")
+    if len(parts) == 1 and parts[0]:
+        return parts[0], None
+    if len(parts) == 3 and parts[1] == "versions" and parts[0] and parts[2]:
+        return parts[0], parts[2]
+    return None
+
+
+class GatewayDispatcher:
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            target = infer_target(scope["path"])
+            if target is not None:
+                await self.gateway.serve(scope, receive, send, *target)
+                return
+        await self.app(scope, receive, send)
+
+
+class _Served(Response):
+    """A response that is the gateway answering the request itself."""
+
+    def __init__(self, gateway: Gateway, model: str, version: str | None) -> None:
+        super().__init__()
+        self.target = (gateway, model, version)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gateway, model, version = self.target
+        await gateway.serve(scope, receive, send, model, version)
+
+
+_OPENAPI: dict[str, Any] = {
+    "security": [{"HTTPBearer": []}],  # an agent token
+    "requestBody": {
+        "required": True,
+        "description": "an Open Inference Protocol (KServe V2) inference request, forwarded unchanged: JSON, or "
+        "JSON followed by binary tensors with `Inference-Header-Content-Length`",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+    },
+}
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **{status: ERROR_RESPONSES[status] for status in (400, 401, 403, 404, 413)},
+    200: {"description": "the backend's answer, as it came (headers spillway-backend, spillway-attempts)"},
+    502: {"model": ErrorBody, "description": "backend_unavailable or bad_backend_response (or a backend's 502)"},
+    503: {"model": ErrorBody, "description": "no_backend, no_healthy_backend or no_capacity (or a backend's 503)"},
+    504: {"model": ErrorBody, "description": "deadline_exceeded (or a backend's 504)"},
+}
+
+
+def gateway_router() -> APIRouter:
+    router = APIRouter(tags=["gateway"])
+    summary = "Infer on a cloud backend (agents only)"
+
+    @router.post("/v2/models/{model}/infer", summary=summary, responses=_RESPONSES, openapi_extra=_OPENAPI,
+                 response_class=Response)  # fmt: skip
+    async def infer(model: str, request: Request) -> Response:
+        return _Served(request.app.state.gateway, model, None)
+
+    @router.post("/v2/models/{model}/versions/{version}/infer", summary=summary, responses=_RESPONSES,
+                 openapi_extra=_OPENAPI, response_class=Response)  # fmt: skip
+    async def infer_version(model: str, version: str, request: Request) -> Response:
+        return _Served(request.app.state.gateway, model, version)
+
+    return router

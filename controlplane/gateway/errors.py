@@ -1,0 +1,83 @@
+"""What the gateway answers itself (rather than passing on a backend's answer): one status and one stable code each.
+
+GatewayError
+├── Unauthenticated       401 unauthenticated      (no or an invalid agent token), with WWW-Authenticate: Bearer
+├── Forbidden             403 forbidden            (an operator's API key: the gateway is for agents)
+├── InvalidRequest        400 invalid_request      (a malformed deadline, JSON header or version)
+├── PayloadTooLarge       413 payload_too_large
+├── Refusal                                        (no backend can take the request now; retried nowhere)
+│   ├── NoBackend         503 no_backend           (none is registered for the model)
+│   ├── NoHealthyBackend  503 no_healthy_backend   (all are failing their checks or ejected)
+│   └── NoCapacity        503 no_capacity          (all are at their max_concurrency)
+├── BackendUnavailable    502 backend_unavailable  (every attempt failed)
+├── BadBackendResponse    502 bad_backend_response (a JSON-only backend's answer could not be translated back)
+└── DeadlineExceeded      504 deadline_exceeded
+
+Each is answered as the rest of the control plane answers errors: `{"error": code, "message": text, "details": ...}`,
+with the code also in the `spillway-reason` header.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GatewayError(Exception):
+    status_code = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, details: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class Unauthenticated(GatewayError):
+    status_code = 401
+    code = "unauthenticated"
+
+
+class Forbidden(GatewayError):
+    status_code = 403
+    code = "forbidden"
+
+
+class InvalidRequest(GatewayError):
+    status_code = 400
+    code = "invalid_request"
+
+
+class PayloadTooLarge(GatewayError):
+    status_code = 413
+    code = "payload_too_large"
+
+
+class Refusal(GatewayError):
+    status_code = 503
+
+
+class NoBackend(Refusal):
+    code = "no_backend"
+
+
+class NoHealthyBackend(Refusal):
+    code = "no_healthy_backend"
+
+
+class NoCapacity(Refusal):
+    code = "no_capacity"
+
+
+class BackendUnavailable(GatewayError):
+    status_code = 502
+    code = "backend_unavailable"
+
+
+class BadBackendResponse(GatewayError):
+    status_code = 502
+    code = "bad_backend_response"
+
+
+class DeadlineExceeded(GatewayError):
+    status_code = 504
+    code = "deadline_exceeded"

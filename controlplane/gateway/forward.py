@@ -1,0 +1,510 @@
+"""The gateway's async shell: authenticate, read the body, pick a backend, forward, retry elsewhere on a
+retriable failure while the deadline and the retry budget allow, stream the answer back.
+
+Plain ASGI on purpose: the FastAPI stack (routing, dependencies, middleware) would cost more than the
+whole millisecond the gateway may add. Decisions are the pool's (pool.py); this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import aiohttp
+import orjson
+from anyio import to_thread
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import Message, Receive, Scope, Send
+
+from controlplane.db.models import utcnow
+from controlplane.gateway.backend import BackendSpec, BackendState
+from controlplane.gateway.budget import RetryBudget
+from controlplane.gateway.catalog import BackendCatalog
+from controlplane.gateway.config import GatewayConfig
+from controlplane.gateway.deadline import deadline_us, header_length, timeout_header_us, timeout_parameter_us
+from controlplane.gateway.errors import (
+    BackendUnavailable,
+    BadBackendResponse,
+    DeadlineExceeded,
+    GatewayError,
+    InvalidRequest,
+    PayloadTooLarge,
+    Refusal,
+)
+from controlplane.gateway.eventlog import EventLog
+from controlplane.gateway.health import ReadinessChecker
+from controlplane.gateway.pool import BackendPool
+from controlplane.gateway.tokens import AgentTokens, TokenCache
+from controlplane.gateway.translate import Translated, TranslationError, request_to_json, response_from_json
+from controlplane.monitoring import GatewayMetrics
+
+log = logging.getLogger("spillway.controlplane.gateway")
+
+RETRIABLE_STATUS = frozenset({502, 503, 504})
+_ERROR_BODY_LIMIT = 64 << 10  # a retriable error's body is kept (to pass on if it is the last) up to this
+_INLINE_JSON = 256 << 10  # request JSON up to this size is parsed on the event loop
+_SLACK_S = 0.0005  # less time than this left: no attempt is worth starting
+_VERSION = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_PASSED_ON = frozenset(
+    {b"content-type", b"content-length", b"content-encoding", b"inference-header-content-length", b"retry-after",
+     b"spillway-reason", b"spillway-outcome"}
+)  # fmt: skip
+_JSON = b"application/json"
+DEADLINE_MARGIN_S, DEADLINE_MARGIN_SHARE = 0.010, 0.1  # kept back from the backend's share of the deadline
+
+
+@dataclass
+class _Request:
+    """One client request, parsed once for all its attempts."""
+
+    path: str
+    body: bytes
+    header_length: int | None
+    headers: dict[str, str]  # passed to every backend
+    compressed: bool
+    _translated: Translated | None = field(default=None, repr=False)
+
+    def translated(self) -> Translated:
+        if self._translated is None:
+            if self.compressed:
+                raise InvalidRequest("a compressed request cannot be translated for a backend without binary tensors")
+            try:
+                self._translated = request_to_json(self.body, self.header_length)
+            except TranslationError as exc:
+                raise InvalidRequest(str(exc)) from None
+        return self._translated
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A retriable attempt: a transport failure or a 502/503/504, kept to answer with if it is the last."""
+
+    kind: str  # connect | reset | timeout | status_5xx
+    message: str
+    backend: BackendSpec
+    status: int | None = None
+    body: bytes = b""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Instruments:
+    """One backend's labelled metric children, made once (a `.labels()` lookup costs microseconds)."""
+
+    def __init__(self, metrics: GatewayMetrics, name: str) -> None:
+        self.metrics = metrics
+        self.name = name
+        self.outstanding = metrics.outstanding.labels(name)
+        self.duration = metrics.duration.labels(name)
+        self._codes: dict[str, Any] = {}
+        self._kinds: dict[str, Any] = {}
+
+    def attempt(self, code: str, failure: str | None, seconds: float) -> None:
+        counter = self._codes.get(code)
+        if counter is None:
+            counter = self._codes[code] = self.metrics.requests.labels(self.name, code)
+        counter.inc()
+        if failure is not None:
+            kind = self._kinds.get(failure)
+            if kind is None:
+                kind = self._kinds[failure] = self.metrics.errors.labels(self.name, failure)
+            kind.inc()
+        self.duration.observe(seconds)
+
+
+class Gateway:
+    """The V2 infer proxy. Made with the app; `start` (in the lifespan) opens the HTTP client, loads the
+    backends and starts the background tasks (refresh, readiness checks, events); `close` stops them."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        metrics: GatewayMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        pool: BackendPool | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self.pool = pool or BackendPool(config.outlier, config.readiness, clock=clock)
+        self.catalog = BackendCatalog(self.pool, refresh_s=config.refresh_s, clock=clock, on_removed=self._forget)
+        self.budget = RetryBudget(config.retry_budget_percent, config.min_retry_concurrency)
+        self.tokens = AgentTokens(TokenCache(config.auth_ttl_s, clock=clock))
+        self.events: EventLog | None = None
+        self.checker: ReadinessChecker | None = None
+        self._http: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._instruments: dict[str, _Instruments] = {}
+
+    async def start(self, factory: sessionmaker[Session]) -> None:
+        self.tokens.factory = factory
+        self.catalog.attach(factory)
+        self.events = EventLog(factory)
+        connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, ttl_dns_cache=60,
+                                         keepalive_timeout=30)  # fmt: skip
+        # Bytes pass as they are: no decompression, no Accept-Encoding the client did not send, no cookies.
+        self._http = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                           skip_auto_headers=("Accept-Encoding", "User-Agent"),
+                                           cookie_jar=aiohttp.DummyCookieJar())  # fmt: skip
+        timeout = min(self.config.health_timeout_s, self.config.health_interval_s)
+        self.checker = ReadinessChecker(self.http, self.pool, timeout_s=timeout)
+        try:
+            await self.catalog.reload()
+        except Exception:  # e.g. not migrated yet: the refresh loop and the first request try again
+            log.warning("gateway: could not load the backends at start", exc_info=True)
+        self._tasks = [asyncio.create_task(self.catalog.run(after=self._tick)),
+                       asyncio.create_task(self._health_loop()), asyncio.create_task(self.events.run())]  # fmt: skip
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        self.catalog.detach()
+        if self.events is not None:
+            self._emit()
+            await self.events.flush()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def http(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            raise RuntimeError("the gateway has not been started")
+        return self._http
+
+    def backends_changed(self) -> None:
+        """Called (from any thread) when this process changed a backend; see BackendCatalog.changed."""
+        self.catalog.changed()
+
+    async def _health_loop(self) -> None:
+        assert self.checker is not None
+        while True:
+            began = self.clock()
+            try:
+                await self.checker.check_all()
+            except Exception:
+                log.warning("gateway: readiness checks failed", exc_info=True)
+            self._tick()
+            await asyncio.sleep(max(0.0, self.config.health_interval_s - (self.clock() - began)))
+
+    def _tick(self) -> None:
+        self.pool.sweep()
+        self._emit()
+
+    def _emit(self) -> None:
+        if not self.pool.transitions:
+            return
+        transitions = self.pool.drain()
+        for t in transitions:
+            if t.kind == "backend.ejected":
+                self.metrics.ejections.labels(t.backend).inc()
+        if self.events is not None:
+            self.events.add(transitions)
+
+    def _forget(self, state: BackendState) -> None:
+        instruments = self._instruments.pop(state.id, None)
+        if instruments is not None:
+            self.metrics.forget(instruments.name)
+
+    def _instruments_of(self, spec: BackendSpec) -> _Instruments:
+        instruments = self._instruments.get(spec.id)
+        if instruments is None or instruments.name != spec.name:  # new, or renamed
+            if instruments is not None:
+                self.metrics.forget(instruments.name)
+            instruments = self._instruments[spec.id] = _Instruments(self.metrics, spec.name)
+        return instruments
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None) -> None:
+        """Answer one `POST /v2/models/{model}[/versions/{version}]/infer`."""
+        sent = False
+
+        async def tracking(message: Message) -> None:
+            nonlocal sent
+            sent = True
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, tracking, model, version)
+        except _ClientGone:
+            return
+        except GatewayError as exc:
+            if not sent:
+                await self._refuse(send, exc)
+        except Exception:
+            log.exception("gateway: unexpected error on %s", scope["path"])
+            if not sent:
+                await self._refuse(send, GatewayError("internal error; the server log has the details"))
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None) -> None:
+        authorization = content_type = ihcl = timeout = declared = accept_encoding = content_encoding = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"inference-header-content-length":
+                ihcl = value
+            elif name == b"spillway-timeout-us":
+                timeout = value
+            elif name == b"content-length":
+                declared = value
+            elif name == b"accept-encoding":
+                accept_encoding = value
+            elif name == b"content-encoding":
+                content_encoding = value
+        await self.tokens.check(authorization)
+        if version is not None and not _VERSION.match(version):
+            raise InvalidRequest(f"version: '{version[:64]}' is not a version (letters, digits, '.', '_', '-')")
+        body = await self._read_body(receive, declared)
+        length = header_length(ihcl, len(body))
+        compressed = content_encoding is not None and content_encoding.strip().lower() != b"identity"
+        parameter = None
+        if not compressed:
+            head = body if length is None else body[:length]
+            if len(head) <= _INLINE_JSON:
+                parameter = timeout_parameter_us(head)
+            else:
+                parameter = await to_thread.run_sync(timeout_parameter_us, head)
+        limit_us = deadline_us(timeout_header_us(timeout), parameter)
+        await self.catalog.current(model)
+
+        headers = {"Content-Type": (content_type or (_JSON if length is None else b"application/octet-stream"))
+                   .decode("latin-1")}  # fmt: skip
+        if length is not None:
+            headers["Inference-Header-Content-Length"] = str(length)
+        if accept_encoding is not None:
+            headers["Accept-Encoding"] = accept_encoding.decode("latin-1")
+        if compressed:
+            assert content_encoding is not None
+            headers["Content-Encoding"] = content_encoding.decode("latin-1")
+        path = f"/v2/models/{model}/versions/{version}/infer" if version else f"/v2/models/{model}/infer"
+        request = _Request(path, body, length, headers, compressed)
+        await self._forward(send, model, request, limit_us)
+
+    async def _forward(self, send: Send, model: str, request: _Request, limit_us: int | None) -> None:
+        started = self.clock()
+        deadline = None if limit_us is None else started + limit_us / 1e6
+        tried: list[str] = []
+        last: _Failure | None = None
+        budget = self.budget
+        budget.active_requests += 1
+        try:
+            while True:
+                if deadline is not None and deadline - self.clock() < _SLACK_S:
+                    if last is None or last.kind == "timeout":
+                        raise DeadlineExceeded(_spent(limit_us, last, len(tried)), _details(last, len(tried)))
+                    return await self._give_up(send, last, len(tried), "no time is left of the deadline")
+                retry = bool(tried)
+                if retry:
+                    assert last is not None
+                    if not budget.try_retry():
+                        return await self._give_up(send, last, len(tried), "the retry budget is spent")
+                try:
+                    try:
+                        state = self.pool.acquire(model, tried)
+                    except Refusal:
+                        self._emit()
+                        if last is None:
+                            raise
+                        return await self._give_up(send, last, len(tried), "no other backend can take it")
+                    if retry:
+                        self.metrics.retries.inc()
+                    if deadline is None:  # the caller set none: the first backend's timeout bounds the request
+                        deadline = started + state.spec.timeout_ms / 1000
+                    timeout_s = min(deadline - self.clock(), state.spec.timeout_ms / 1000)
+                    tried.append(state.id)
+                    failure = await self._attempt(send, state, request, timeout_s, len(tried))
+                finally:
+                    if retry:
+                        budget.retry_done()
+                self._emit()
+                if failure is None:
+                    return
+                last = failure
+        finally:
+            budget.active_requests -= 1
+
+    async def _attempt(
+        self, send: Send, state: BackendState, request: _Request, timeout_s: float, attempt: int
+    ) -> _Failure | None:
+        """One try at one backend. None: answered (or cut off mid-stream); a _Failure: retriable."""
+        spec = state.spec
+        instruments = self._instruments_of(spec)
+        translated: Translated | None = None
+        failure: str | None = None
+        error: str | None = None
+        code = "error"
+        streaming = busy = False
+        try:
+            headers = dict(request.headers)
+            payload = request.body
+            if not spec.binary_tensors:
+                translated = request.translated()
+                payload = translated.body
+                headers["Content-Type"] = "application/json"
+                headers.pop("Inference-Header-Content-Length", None)
+                headers.pop("Accept-Encoding", None)  # the answer is read here, whole
+            # The backend gets the deadline less a margin, so that a Spillway agent's own refusal ("too late",
+            # 503 with Retry-After) arrives before this attempt times out (a timeout counts against a backend).
+            margin = min(DEADLINE_MARGIN_S, timeout_s * DEADLINE_MARGIN_SHARE)
+            headers["Spillway-Timeout-Us"] = str(max(1, int((timeout_s - margin) * 1e6)))
+            if spec.auth_header:
+                headers["Authorization"] = spec.auth_header
+        except BaseException:
+            self.pool.release(state)  # never sent: nothing to learn about the backend
+            raise
+        instruments.outstanding.inc()
+        began = self.clock()
+        try:
+            async with self.http().post(spec.url + request.path, data=payload, headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:  # fmt: skip
+                status = response.status
+                code = str(status)
+                # A 503 with Retry-After is a backend shedding load (a busy Spillway agent, Triton's queue full):
+                # retried elsewhere like any 503, but no mark against the backend's health (unlike Envoy).
+                busy = status == 503 and "retry-after" in response.headers
+                if status >= 500 and not busy:
+                    failure, error = "status_5xx", f"answered {status}"
+                if status in RETRIABLE_STATUS:
+                    kept = await response.content.read(_ERROR_BODY_LIMIT)
+                    passed = tuple((k.lower(), v) for k, v in response.raw_headers if k.lower() in _PASSED_ON
+                                   and k.lower() != b"content-length")  # fmt: skip
+                    kind = "busy" if busy else "status_5xx"
+                    return _Failure(kind, f"backend '{spec.name}' answered {status}", spec, status, kept,
+                                    passed)  # fmt: skip
+                extra = _ours(spec, attempt)
+                if translated is not None and status == 200:
+                    raw = await response.read()
+                    try:
+                        body, length = response_from_json(raw, translated)
+                    except TranslationError as exc:
+                        failure, error = "bad_response", str(exc)[:300]
+                        raise BadBackendResponse(f"backend '{spec.name}': {exc}", {"backend": spec.name}) from None
+                    ctype = b"application/octet-stream" if length is not None else _JSON
+                    extra += [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+                    if length is not None:
+                        extra.append((b"inference-header-content-length", str(length).encode()))
+                    await send({"type": "http.response.start", "status": 200, "headers": extra})
+                    await send({"type": "http.response.body", "body": body})
+                    return None
+                passed_on = [(k.lower(), v) for k, v in response.raw_headers if k.lower() in _PASSED_ON]
+                await send({"type": "http.response.start", "status": status, "headers": passed_on + extra})
+                streaming = True
+                async for chunk in response.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+                return None
+        except asyncio.TimeoutError:
+            failure, code, error = "timeout", "timeout", f"no answer within {timeout_s * 1000:.0f} ms"
+        except aiohttp.ClientConnectorError as exc:
+            failure, code, error = "connect", "connect", f"could not connect: {exc.os_error}"
+        except aiohttp.ClientError as exc:
+            failure, code, error = "reset", "reset", f"connection failed: {type(exc).__name__}: {exc}"
+        finally:
+            seconds = self.clock() - began
+            instruments.outstanding.dec()
+            instruments.attempt(code, failure, seconds)
+            self.pool.release(state, failure=failure, error=error, seconds=seconds, busy=busy)
+        assert failure is not None and error is not None
+        if streaming:  # the status line has gone out: cut the connection rather than end a broken body cleanly
+            log.warning("gateway: backend %s failed mid-answer (%s); the client's connection is cut", spec.name, error)
+            return None
+        return _Failure(failure, f"backend '{spec.name}': {error}", spec)
+
+    async def _give_up(self, send: Send, last: _Failure, attempts: int, why: str) -> None:
+        """No (further) retry: the last failure is the answer; a backend's 502/503/504 passes as it came."""
+        if last.status is not None:
+            headers = [*last.headers, (b"content-length", str(len(last.body)).encode()), *_ours(last.backend, attempts)]
+            await send({"type": "http.response.start", "status": last.status, "headers": headers})
+            await send({"type": "http.response.body", "body": last.body})
+            return
+        message = f"{attempts} attempt{'s' if attempts > 1 else ''} failed and {why}; the last: {last.message}"
+        raise BackendUnavailable(message, _details(last, attempts))
+
+    async def _read_body(self, receive: Receive, declared: bytes | None) -> bytes:
+        limit = self.config.max_body_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes", {"max_bytes": limit})
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes", {"max_bytes": limit})
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _refuse(self, send: Send, exc: GatewayError) -> None:
+        self.metrics.rejected.labels(exc.code).inc()
+        body = orjson.dumps({"error": exc.code, "message": exc.message, "details": exc.details})
+        headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode()),
+                   (b"spillway-reason", exc.code.encode())]  # fmt: skip
+        if exc.status_code == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        elif exc.status_code == 503:
+            headers.append((b"retry-after", b"1"))
+        elif exc.status_code == 413:
+            headers.append((b"connection", b"close"))  # the rest of the body is not read
+        if isinstance(exc.details, dict) and "attempts" in exc.details:
+            headers += [(b"spillway-backend", str(exc.details["last_backend"]).encode()),
+                        (b"spillway-attempts", str(exc.details["attempts"]).encode())]  # fmt: skip
+        await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    # ---- status -----------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The `gateway` section of `GET /api/v1/status`."""
+        now = utcnow()
+        backends = []
+        for row in self.pool.snapshot():
+            left = row.pop("ejected_for_s")
+            row["ejected_until"] = None if left is None else now + timedelta(seconds=left)
+            backends.append(row)
+        at = self.catalog.loaded_at
+        loaded = None if at is None else now - timedelta(seconds=self.clock() - at)
+        return {
+            "active_requests": self.budget.active_requests,
+            "active_retries": self.budget.active_retries,
+            "retry_limit": self.budget.limit,
+            "loaded_at": loaded,
+            "backends": backends,
+        }
+
+
+def _ours(spec: BackendSpec, attempts: int) -> list[tuple[bytes, bytes]]:
+    return [(b"spillway-backend", spec.name.encode()), (b"spillway-backend-id", spec.id.encode()),
+            (b"spillway-attempts", str(attempts).encode())]  # fmt: skip
+
+
+def _details(last: _Failure | None, attempts: int) -> dict[str, Any] | None:
+    if last is None:
+        return None
+    return {"attempts": attempts, "last_backend": last.backend.name, "last_error": last.message}
+
+
+def _spent(limit_us: int | None, last: _Failure | None, attempts: int) -> str:
+    text = "the backend's timeout passed" if limit_us is None else f"the deadline of {limit_us / 1000:g} ms passed"
+    if last is not None:
+        text += f" after {attempts} attempt{'s' if attempts > 1 else ''}; the last: {last.message}"
+    return text

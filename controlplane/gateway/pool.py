@@ -1,0 +1,177 @@
+"""The backends in memory and every decision about them, as plain synchronous code with an injected clock:
+which backend takes a request, what a failure or a readiness check changes. The async shell (forward.py, health.py)
+only moves requests and results; nothing here awaits, so each call is atomic on the event loop.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
+
+from controlplane.gateway.backend import BackendSpec, BackendState, Transition
+from controlplane.gateway.errors import NoBackend, NoCapacity, NoHealthyBackend
+from controlplane.gateway.outlier import OutlierDetector, OutlierPolicy
+from controlplane.gateway.picker import BackendPicker, PowerOfTwoChoices
+from controlplane.gateway.readiness import ReadinessPolicy, apply_checks
+
+_NONE: tuple[BackendState, ...] = ()
+
+
+class BackendPool:
+    """Backends by id and by model; `acquire` picks one for a request, `release` reports how it went."""
+
+    def __init__(
+        self,
+        outlier: OutlierPolicy | None = None,
+        readiness: ReadinessPolicy | None = None,
+        picker: BackendPicker | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.clock = clock
+        self.rng = rng or random.Random()  # noqa: S311 - load spreading, not secrets
+        self.picker = picker or PowerOfTwoChoices()
+        self.readiness = readiness or ReadinessPolicy()
+        self.outlier = OutlierDetector(outlier or OutlierPolicy(), self.serving)
+        self.states: dict[str, BackendState] = {}
+        self.by_model: dict[str, tuple[BackendState, ...]] = {}
+        self.transitions: list[Transition] = []  # drained by the shell into the events table
+
+    # ---- the registered backends ------------------------------------------------------------------
+
+    def replace(self, specs: Iterable[BackendSpec]) -> list[BackendState]:
+        """The backends now registered; a backend whose id stays keeps its state. Returns the removed ones."""
+        states: dict[str, BackendState] = {}
+        for spec in specs:
+            state = self.states.get(spec.id)
+            if state is None:
+                state = BackendState(spec)
+            else:
+                if state.spec.url != spec.url:  # another server behind the same id: what was learnt is void
+                    state.checked.clear()
+                    state.unhealthy.clear()
+                for model in set(state.checked) - set(spec.models):
+                    state.checked.discard(model)
+                    state.unhealthy.discard(model)
+                state.spec = spec
+            states[spec.id] = state
+        removed = [s for ident, s in self.states.items() if ident not in states]
+        by_model: dict[str, list[BackendState]] = {}
+        for state in states.values():
+            for model in state.spec.models:
+                by_model.setdefault(model, []).append(state)
+        self.states = states
+        self.by_model = {m: tuple(sorted(group, key=lambda s: s.id)) for m, group in by_model.items()}
+        return removed
+
+    def serving(self, model: str) -> tuple[BackendState, ...]:
+        return self.by_model.get(model, _NONE)
+
+    def knows(self, model: str) -> bool:
+        return model in self.by_model
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def acquire(self, model: str, exclude: Collection[str] = ()) -> BackendState:
+        """A backend for one request to `model`, counted as outstanding until `release`; never one in `exclude`.
+
+        Raises NoBackend (none registered), NoHealthyBackend (all failing checks or ejected), NoCapacity (all at
+        their max_concurrency); at once, without waiting for a slot.
+        """
+        peers = self.by_model.get(model)
+        if not peers:
+            raise NoBackend(f"no backend is registered for model '{model}'")
+        now = self.clock()
+        healthy: list[BackendState] = []
+        for state in peers:
+            if state.id in exclude:
+                continue
+            if state.ejected_until is not None:
+                if now < state.ejected_until:
+                    continue
+                self._note(self.outlier.due(state, now))
+            if model not in state.unhealthy:
+                healthy.append(state)
+        if not healthy:
+            left = len(peers) - len(exclude)
+            raise NoHealthyBackend(f"none of the {left} backends of model '{model}' is healthy and in the pool")
+        free = [s for s in healthy if s.outstanding < s.spec.max_concurrency]
+        if not free:
+            raise NoCapacity(f"every healthy backend of model '{model}' is at its max_concurrency")
+        chosen = free[self.picker.pick(free, self.rng)]
+        chosen.outstanding += 1
+        return chosen
+
+    def release(
+        self,
+        state: BackendState,
+        *,
+        failure: str | None = None,
+        error: str | None = None,
+        seconds: float | None = None,
+        busy: bool = False,
+    ) -> None:
+        """The request `acquire` gave `state` is over: `failure` is None (answered, not 5xx) or its kind
+        (connect, reset, timeout, status_5xx), which counts towards an ejection. `busy`: the backend shed the
+        request (503 with Retry-After): not a failure, and, like a success, it ends a streak of failures (the
+        backend answers: it is busy, not broken)."""
+        state.outstanding -= 1
+        state.requests += 1
+        if seconds is not None:
+            state.recent.append(seconds)
+        if busy and failure is None:
+            state.busy += 1
+        if failure is None:
+            self.outlier.succeeded(state)
+            return
+        state.errors += 1
+        state.last_error = error or failure
+        if self.states.get(state.id) is state:  # not for a backend deleted while the request ran
+            self._note(self.outlier.failed(state, self.clock()))
+
+    # ---- checks and time --------------------------------------------------------------------------
+
+    def checked(self, backend_id: str, ready: Mapping[str, bool], error: str | None = None) -> None:
+        """One round of readiness checks of a backend: model -> passed."""
+        state = self.states.get(backend_id)
+        if state is not None:
+            self.transitions.extend(apply_checks(self.readiness, state, ready, error))
+
+    def sweep(self) -> None:
+        """Return the backends whose ejection is over and decay multipliers (the shell calls it now and then, so
+        that `backend.returned` is recorded even for a model nobody asks for)."""
+        now = self.clock()
+        for state in self.states.values():
+            self._note(self.outlier.due(state, now))
+            self.outlier.decay(state, now)
+
+    def drain(self) -> list[Transition]:
+        taken, self.transitions = self.transitions, []
+        return taken
+
+    def _note(self, transition: Transition | None) -> None:
+        if transition is not None:
+            self.transitions.append(transition)
+
+    # ---- status -----------------------------------------------------------------------------------
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Per backend, what the status page shows; `ejected_for_s` is how long the ejection still lasts."""
+        now = self.clock()
+        rows = []
+        for state in sorted(self.states.values(), key=lambda s: s.name):
+            spec = state.spec
+            ejected = state.ejected(now)
+            rows.append({
+                "id": spec.id, "name": spec.name, "url": spec.url, "models": list(spec.models),
+                "healthy": not state.unhealthy, "unhealthy_models": sorted(state.unhealthy),
+                "ejected": ejected, "ejected_for_s": (state.ejected_until or now) - now if ejected else None,
+                "times_ejected": state.times_ejected, "consecutive_failures": state.consecutive_failures,
+                "outstanding": state.outstanding, "max_concurrency": spec.max_concurrency, "weight": spec.weight,
+                "requests": state.requests, "errors": state.errors, "busy": state.busy,
+                "p50_ms": state.percentile_ms(0.5), "p99_ms": state.percentile_ms(0.99), "last_error": state.last_error,
+            })  # fmt: skip
+        return rows
