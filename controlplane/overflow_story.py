@@ -145,8 +145,9 @@ class OverflowStory:
         for cloud in self.clouds:
             cloud.start()
         with self.base.api() as client:
-            made = client.post("/api/v1/agents", json={"name": "jetson-berlin-02", "device_class": "jetson",
-                                                        "labels": {"site": "berlin", "tier": "edge"}})  # fmt: skip
+            # Labels no example rule or SLO selects: this story is about overflow alone.
+            made = client.post("/api/v1/agents", json={"name": "jetson-munich-01", "device_class": "jetson",
+                                                        "labels": {"site": "munich", "tier": "burst"}})  # fmt: skip
             made.raise_for_status()
         body = made.json()
         self.edge_id, token = body["agent"]["id"], body["token"]

@@ -464,3 +464,29 @@ def test_mlserver_answers_a_translated_binary_request(mlserver: tuple[str, Path]
     else:
         assert output["parameters"] == {"binary_data_size": expected.nbytes}
     np.testing.assert_array_equal(result.as_numpy("output"), expected)
+
+
+@pytest.mark.slow
+def test_mlserver_behind_the_gateway_answers_tritonclient_like_onnxruntime(
+    mlserver: tuple[str, Path], tmp_path: Path
+) -> None:
+    """The whole path: tritonclient (binary tensors) -> the control plane's gateway -> MLServer registered with
+    `binary_tensors: false` (JSON translation both ways) -> tritonclient reads the answer in binary."""
+    from tests.utils.gateway import running_plane
+
+    url, model = mlserver
+    x = np.random.default_rng(11).standard_normal((2, 512), dtype=np.float32)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    expected = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    with running_plane(f"sqlite:///{tmp_path / 'cp.db'}") as plane:
+        plane.register(url, name="mlserver", binary_tensors=False)
+        client = triton.InferenceServerClient(plane.url.removeprefix("http://"))
+        result = client.infer(
+            "mlp", [tensor_input("input", x, "FP32", binary=True)],
+            outputs=[triton.InferRequestedOutput("output", binary_data=True)], headers=plane.agent,
+        )  # fmt: skip
+        np.testing.assert_array_equal(result.as_numpy("output"), expected)
+        assert result.get_output("output")["parameters"] == {"binary_data_size": expected.nbytes}
+        assert plane.gateway()["mlserver"]["requests"] == 1

@@ -190,3 +190,19 @@ def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:
     events = re.findall(r"^  \d\d:\d\d:\d\d  (\S+)", out.stdout, re.MULTILINE)
     assert events == ["rule.fired", "policy.published", "rule.recovered", "policy.published"], out.stdout
     assert re.search(r"calm   answers/s: v1 \d+ +agent: policy v3, serving v1\n\nEvents", out.stdout), out.stdout
+    # Overflow: a table of outcomes per phase, every request answered, the cloud used in the burst, the fallback
+    # chain answering while the cloud is down.
+    header = re.search(r"^\| phase \| rps \| sent \| (.+) \| lost \|", out.stdout, re.MULTILINE)
+    assert header, out.stdout
+    columns = ["sent", *[c.strip() for c in header.group(1).split("|")], "lost"]
+    table = {}
+    for name in ("normal (0.5x)", "burst (3x)", "cloud down (3x)", "cloud back (3x)", "calm (0.5x)"):
+        row = re.search(rf"^\| {re.escape(name)} \| \d+ \| (.+?) \| \d+% \|", out.stdout, re.MULTILINE)
+        assert row, out.stdout
+        table[name] = dict(zip(columns, (int(v) for v in row.group(1).split(" | ")), strict=True))
+    assert all(row["lost"] == 0 for row in table.values()), table
+    assert all(sum(v for k, v in row.items() if k not in ("sent", "lost")) == row["sent"] for row in table.values())
+    assert table["burst (3x)"].get("overflow", 0) > 0, table
+    down = table["cloud down (3x)"]
+    assert down.get("fallback_cache", 0) + down.get("queued_async", 0) > 0, table
+    assert table["normal (0.5x)"]["local"] >= 0.9 * table["normal (0.5x)"]["sent"], table
