@@ -177,6 +177,7 @@ class System:
     cloud: str
     nginx: str = ""
     nginx_pid: int = 0
+    backend_id: str = ""
 
     @property
     def cloud_auth(self) -> dict[str, str]:
@@ -238,13 +239,20 @@ def start_system(procs: Processes, workdir: Path, args: argparse.Namespace) -> S
                 {**agent_env, "SPILLWAY_AGENT_TOKEN": edge_token})  # fmt: skip
     cloud = f"http://127.0.0.1:{cloud_port}"
     procs.wait_ready("cloud", f"{cloud}/v2/health/ready", {"Authorization": f"Bearer {CLOUD_SECRET}"})
+    # Part 1 measures the proxy alone: no cap there. Part 2 sets the backend's cap (`set_backend_cap`).
     backend = {"name": "cloud-1", "url": cloud, "models": ["mlp"], "weight": 1.0,
-               "max_concurrency": args.backend_concurrency, "timeout_ms": 10_000, "binary_tensors": True,
+               "max_concurrency": 1000, "timeout_ms": 10_000, "binary_tensors": True,
                "auth_header": f"Bearer {CLOUD_SECRET}"}  # fmt: skip
-    http_json("POST", f"{cp}/api/v1/backends", backend, operator)
+    backend_id = http_json("POST", f"{cp}/api/v1/backends", backend, operator)["id"]
     edge = f"http://127.0.0.1:{edge_port}"
     procs.wait_ready("edge", f"{edge}/v2/health/ready")
-    return System(procs, cp, admin, edge, edge_token, cloud)
+    return System(procs, cp, admin, edge, edge_token, cloud, backend_id=backend_id)
+
+
+def set_backend_cap(system: System, cap: int) -> None:
+    """The backend's max_concurrency, through the REST API (the gateway reloads at once)."""
+    http_json("PATCH", f"{system.cp}/api/v1/backends/{system.backend_id}", {"max_concurrency": cap},
+              {"Authorization": f"Bearer {system.admin}"})  # fmt: skip
 
 
 def body(level: int | None, deadline_us: int | None, seed: int = 7) -> bytes:
@@ -835,8 +843,8 @@ def report(res: Results) -> str:
         f"slow or failed in 10 s with >= 5 requests, for 5 s); the fallback cache on (its default, 8 MiB; never "
         f"hit here: every request has inputs of its own). Cloud agent: `role: cloud`, a bearer token, otherwise "
         f"the same. Backend: `max_concurrency: "
-        f"{args.backend_concurrency}`, `timeout_ms: 10000`, binary tensors, the cloud agent's token as its "
-        f"`auth_header`")  # fmt: skip
+        f"{args.backend_concurrency}` (part 2; 1000 in part 1, so that it measures the proxy alone), "
+        "`timeout_ms: 10000`, binary tensors, the cloud agent's token as its `auth_header`")  # fmt: skip
     add("")
     if res.overhead is not None:
         _report_overhead(res, add)
@@ -1091,6 +1099,7 @@ def run(args: argparse.Namespace, command: str) -> str:
                 log("part 1: direct, nginx and gateway in interleaved rounds")
                 res.overhead = overhead(system, args, workdir)
         if not args.skip_overload:
+            set_backend_cap(system, args.backend_concurrency)
             res.overload = overload(system, args, workdir)
         markdown = report(res)
     except BaseException:

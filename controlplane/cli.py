@@ -61,11 +61,25 @@ def serve(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=_log_config(),
         ssl_certfile=settings.tls_certfile,
         ssl_keyfile=settings.tls_keyfile,
         proxy_headers=False,
         server_header=False,
     )
+
+
+def _log_config() -> dict[str, Any]:
+    """uvicorn's logging, with the access log leaving out the gateway's inference requests (a line per overflowed
+    request would cost more than the gateway's own work; its metrics count them)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["no_gateway"] = {"()": "controlplane.gateway.dispatch.NotGatewayAccess"}
+    config["handlers"]["access"]["filters"] = ["no_gateway"]
+    return config
 
 
 @controlplane_app.command()

@@ -7,6 +7,7 @@ walks the app's routes; they answer through the same `Gateway.serve` should a re
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -94,3 +95,14 @@ def gateway_router() -> APIRouter:
         return _Served(request.app.state.gateway, model, version)
 
     return router
+
+
+class NotGatewayAccess(logging.Filter):
+    """Drops uvicorn access-log records of the gateway's inference requests (`POST /v2/models/.../infer`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            path = args[2]
+            return not (path.startswith("/v2/models/") and path.split("?", 1)[0].endswith("/infer"))
+        return True
