@@ -19,17 +19,11 @@ with the code also in the `spillway-reason` header.
 
 from __future__ import annotations
 
-from typing import Any
+from controlplane.errors import SpillwayError
 
 
-class GatewayError(Exception):
-    status_code = 500
-    code = "internal_error"
-
-    def __init__(self, message: str, details: Any = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.details = details
+class GatewayError(SpillwayError):
+    """An answer of the gateway's own, in the control plane's error shape (`{"error", "message", "details"}`)."""
 
 
 class Unauthenticated(GatewayError):
