@@ -225,3 +225,25 @@ def _wait_job(agent: RunningAgent, job_id: str) -> dict[str, Any]:
         if body["status"] not in ("queued", "running") or time.monotonic() > deadline:
             return body
         time.sleep(0.1)
+
+
+def test_a_full_async_queue_refuses_with_503_and_says_so(demo_repo: Path, tmp_path: Path) -> None:
+    """The queue is bounded: with it full (one job of a model this agent does not serve, which never drains), a
+    request that nothing else can answer gets 503, not a job."""
+    state = tmp_path / "state"
+    state.mkdir()
+    with JobStore(state / "jobs-edge-2.sqlite", max_jobs=1) as store:
+        store.submit("a-model-served-elsewhere", None, b"{}", None)
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    agent = start_agent(demo_repo, tmp_path, agent_id="edge-2", state_dir=str(state), fallback_cache_bytes=0,
+                        async_jobs={"models": ["mlp"], "max_jobs": 1},
+                        **edge_settings(nowhere, at_or_below=2))  # fmt: skip
+    try:
+        refused = infer(agent, 2)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["spillway-outcome"] == "rejected"
+        assert refused.headers["spillway-reason"] == "gateway_unreachable" and "retry-after" in refused.headers
+        assert "async queue is full" in refused.json()["error"]
+        assert status(agent)["async_jobs"]["counts"]["queued"] == 1
+    finally:
+        stop_agent(agent)
