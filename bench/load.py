@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 
@@ -62,30 +63,39 @@ class _Connection(asyncio.Protocol):
             self.waiter.set_exception(ConnectionError("connection closed"))
 
     def _complete(self) -> None:
-        end = self.buffer.find(b"\r\n\r\n")
-        if end < 0:
+        head = self._take()
+        if head is None:
             return
-        head = bytes(self.buffer[:end]).lower()
-        status = int(head[9:12])
-        marker = head.find(b"\r\ncontent-length:")
-        if marker >= 0:
-            stop = head.find(b"\r\n", marker + 2)
-            length = int(head[marker + 17 : stop if stop >= 0 else len(head)])
-            total = end + 4 + length
-            if len(self.buffer) < total:
-                return
-        elif b"transfer-encoding: chunked" in head:
-            terminator = self.buffer.find(b"0\r\n\r\n", end + 4)
-            if terminator < 0:
-                return
-            total = terminator + 5
-        else:
-            raise RuntimeError("response has neither Content-Length nor chunked encoding")
-        del self.buffer[:total]
         waiter, self.waiter = self.waiter, None
         assert waiter is not None
         if not waiter.done():
-            waiter.set_result(status)
+            waiter.set_result(self.result(head))
+
+    def result(self, head: bytes) -> Any:
+        """What `send`'s future gives for a whole response, from its lower-cased head: here the status."""
+        return int(head[9:12])
+
+    def _take(self) -> bytes | None:
+        """The lower-cased head of the first response once it is whole (removed from the buffer), else None."""
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            return None
+        head = bytes(self.buffer[:end]).lower()
+        marker = head.find(b"\r\ncontent-length:")
+        if marker >= 0:
+            stop = head.find(b"\r\n", marker + 2)
+            total = end + 4 + int(head[marker + 17 : stop if stop >= 0 else len(head)])
+        elif b"transfer-encoding: chunked" in head:
+            terminator = self.buffer.find(b"0\r\n\r\n", end + 4)
+            if terminator < 0:
+                return None
+            total = terminator + 5
+        else:
+            total = end + 4  # no body (e.g. 204)
+        if len(self.buffer) < total:
+            return None
+        del self.buffer[:total]
+        return head
 
     def send(self, payload: bytes) -> asyncio.Future[int]:
         assert self.transport is not None

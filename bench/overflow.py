@@ -64,7 +64,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.load import build_request, free_port  # noqa: E402
+from bench.load import _Connection, build_request, free_port  # noqa: E402
 from bench.nginx import nginx_version, require_nginx, reverse_proxy  # noqa: E402
 from bench.procstat import cpu_seconds, loadavg, machine_busy_seconds, vm_hwm  # noqa: E402
 
@@ -285,57 +285,20 @@ def binary_body() -> tuple[bytes, int]:
 # ---- clients (run in a process of their own: `overflow.py _client SPEC OUT`) -----------------------
 
 
-class _Exchange(asyncio.Protocol):
+class _Exchange(_Connection):
     """One keep-alive HTTP/1.1 connection, one request at a time; answers (status, spillway-outcome)."""
 
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
-        self.waiter: asyncio.Future[tuple[int, str]] | None = None
-        self.closed = False
+    waiter: asyncio.Future[tuple[int, str]] | None  # type: ignore[assignment]
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        if self.waiter is not None:
-            self._complete()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionError("connection closed"))
-
-    def _complete(self) -> None:
-        end = self.buffer.find(b"\r\n\r\n")
-        if end < 0:
-            return
-        head = bytes(self.buffer[:end]).lower()
-        marker = head.find(b"\r\ncontent-length:")
-        if marker >= 0:
-            stop = head.find(b"\r\n", marker + 2)
-            total = end + 4 + int(head[marker + 17 : stop if stop >= 0 else len(head)])
-        elif b"transfer-encoding: chunked" in head:
-            terminator = self.buffer.find(b"0\r\n\r\n", end + 4)
-            if terminator < 0:
-                return
-            total = terminator + 5
-        else:
-            total = end + 4  # no body (e.g. 204)
-        if len(self.buffer) < total:
-            return
-        del self.buffer[:total]
+    def result(self, head: bytes) -> tuple[int, str]:
         marker = head.find(b"\r\nspillway-outcome:")
         outcome = ""
         if marker >= 0:
             stop = head.find(b"\r\n", marker + 2)
             outcome = head[marker + 19 : stop if stop >= 0 else len(head)].strip().decode()
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result((int(head[9:12]), outcome))
+        return int(head[9:12]), outcome
 
-    def send(self, payload: bytes) -> asyncio.Future[tuple[int, str]]:
+    def send(self, payload: bytes) -> asyncio.Future[tuple[int, str]]:  # type: ignore[override]
         assert self.transport is not None
         self.waiter = asyncio.get_running_loop().create_future()
         self.transport.write(payload)
