@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import yaml
 
-from controlplane.story import Story, _process, stop, wait_ready
+from controlplane.story import Story, _process, read_response, stop, wait_ready
 
 OUTCOMES = ("local", "overflow", "fallback_cache", "fallback_default", "queued_async", "rejected", "error")
 IDLE_S = 1.0  # the load generator drops a keep-alive connection idle longer than this (the server may close it)
@@ -216,7 +216,7 @@ class OverflowStory:
             try:
                 while time.monotonic() < end:
                     writer.write(bodies[i % len(bodies)])
-                    status, headers, _ = await _read_response(reader)
+                    status, headers, _ = await read_response(reader)
                     if status == 200 and headers.get("spillway-outcome") == "local":
                         done += 1
             finally:
@@ -250,7 +250,7 @@ class OverflowStory:
                     connection = await asyncio.open_connection("127.0.0.1", self.edge_port)
                 reader, writer = connection
                 writer.write(request)
-                status, headers, _ = await _read_response(reader)
+                status, headers, _ = await read_response(reader)
                 outcome = headers.get("spillway-outcome", f"HTTP {status}")
                 reason = headers.get("spillway-reason", "")
                 if headers.get("connection", "").lower() == "close":
@@ -301,18 +301,6 @@ def _bodies(*, priority: int, timeout_us: int | None) -> list[bytes]:
         requests.append(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
     return requests
-
-
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ", 2)[1])
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        if name:
-            headers[name.strip().lower()] = value.strip()
-    return status, headers, await reader.readexactly(int(headers.get("content-length", "0")))
 
 
 def standard_phases(capacity: float, story: OverflowStory) -> list[LoadPhase]:

@@ -220,7 +220,7 @@ class Story:
                             reader, writer = await asyncio.open_connection("127.0.0.1", self.agent_port)
                         assert reader is not None
                         writer.write(request)
-                        status, answer = await _read_response(reader)
+                        status, _, answer = await read_response(reader)
                         found = _VERSION.search(answer[:200]) if status == 200 else None
                         version = found.group(1).decode() if found else None
                         phase.samples.append(Sample(time.monotonic() - started, status, version))
@@ -249,16 +249,17 @@ class Story:
 _VERSION = re.compile(rb'"model_version"\s*:\s*"(\d+)"')
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response with a Content-Length: status, headers (lower-case names) and body."""
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split(" ", 2)[1])
-    length = 0
+    headers: dict[str, str] = {}
     for line in lines[1:]:
         name, _, value = line.partition(":")
-        if name.strip().lower() == "content-length":
-            length = int(value.strip())
-    return status, await reader.readexactly(length)
+        if name:
+            headers[name.strip().lower()] = value.strip()
+    return status, headers, await reader.readexactly(int(headers.get("content-length", "0")))
 
 
 def first_at(phase: Phase, version: str, after: float = 0.0) -> float | None:
@@ -266,4 +267,4 @@ def first_at(phase: Phase, version: str, after: float = 0.0) -> float | None:
     return next((s.at for s in phase.samples if s.version == version and s.at >= after), None)
 
 
-__all__ = ["INTERVAL_S", "RULE", "Phase", "Sample", "Story", "first_at", "stop", "wait_ready"]
+__all__ = ["INTERVAL_S", "RULE", "Phase", "Sample", "Story", "first_at", "read_response", "stop", "wait_ready"]

@@ -135,8 +135,12 @@ def _pick_dumps() -> Callable[[Any], str]:
     try:
         import orjson
     except ImportError:
-        return lambda value: json.dumps(value, separators=(",", ":"))
+        return _stdlib_compact
     return lambda value: orjson.dumps(value).decode()
+
+
+def _stdlib_compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 _numpy_dumps = _pick_numpy_dumps()
@@ -688,14 +692,20 @@ def encode_error(message: str) -> bytes:
 def with_parameters(body: bytes, header_length: int | None, extra: dict[str, Any]) -> tuple[bytes, int | None]:
     """A V2 response with `extra` added to its `parameters` (binary data after the JSON header kept as it is).
 
-    Raises ValueError when the JSON part is not a JSON object."""
+    On every overflowed answer, so orjson both ways where it can: what orjson parsed has no NaN or Infinity,
+    which it could not write back; an answer with them takes the standard library. Raises ValueError when the
+    JSON part is not a JSON object."""
     head = body if header_length is None else body[:header_length]
-    document = json.loads(head)
+    dumps = _compact_dumps
+    try:
+        document = _json_loads(head)
+    except ValueError:  # NaN/Infinity literals (the stdlib's writer puts them in JSON): the stdlib both ways
+        document, dumps = json.loads(head), _stdlib_compact
     if not isinstance(document, dict):
         raise ValueError("a V2 response is a JSON object")
     parameters = document.get("parameters")
     document["parameters"] = {**(parameters if isinstance(parameters, dict) else {}), **extra}
-    new_head = json.dumps(document, separators=(",", ":")).encode()
+    new_head = dumps(document).encode()
     if header_length is None:
         return new_head, None
     return new_head + body[header_length:], len(new_head)
