@@ -11,14 +11,25 @@ again when the store is opened. A job's life:
       \\---- reopened after a crash while running
 
 Jobs done, failed or expired are kept `ttl_s` after they finished, so that a client can still fetch the outcome,
-then deleted. A request's bytes are dropped when its job ends; the response is kept. Every call is one short
+then deleted. A request's bytes are dropped when its job ends; the response is kept. Every write is one short
 transaction behind a lock, usable from any thread. Reads (get, counts) take tens of microseconds; a write waits
 for its fsync (under a millisecond on an SSD, a few on eMMC or an SD card), so the event loop should make
 submit, claim, finish, fail and requeue through `asyncio.to_thread`.
+
+Errors (sqlite3's are turned into these in one place, `_storage_errors`; a misuse of sqlite3 stays a bug):
+
+    QueueFull              the bound: `max_jobs` jobs queued or running
+    JobNotRunning          finish, fail or requeue of a job that is not running
+    StoreUnavailable       the database refused a read or a write (I/O error, corrupt file, lock held too long)
+      \\-- StoreFull       ... because the disk is full
+
+A failed write leaves the store as it was (its transaction rolled back) and usable: the next write after space
+returns succeeds. Reads (get, counts) never write, so a full disk does not keep a client from its job's answer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import secrets
@@ -27,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +84,47 @@ _COLUMNS = ("id, model, version, status, created_at, expires_at, started_at, fin
             "header_length, response")  # fmt: skip
 
 
+_EXPIRED_ERROR = "expired before it could run"
+
+
 class QueueFull(Exception):
     """The store already holds `max_jobs` jobs queued or running."""
 
 
 class JobNotRunning(LookupError):
     """finish, fail or requeue of a job that is not running: unknown, never claimed, or already ended."""
+
+
+class StoreUnavailable(Exception):
+    """The database refused a read or a write; nothing was changed. `reason` is the stable code a client is told."""
+
+    reason = "async_storage_unavailable"
+
+
+class StoreFull(StoreUnavailable):
+    """The disk (or the database's size limit) has no room for the write; it works again once space returns."""
+
+    reason = "async_storage_full"
+
+
+# Errors that say the disk is full. SQLITE_IOERR_SHMSIZE: the WAL index could not grow, which on Linux is ENOSPC.
+_FULL = frozenset({"SQLITE_FULL", "SQLITE_IOERR_SHMSIZE"})
+# Errors that are a misuse of sqlite3 (a bug of ours), never a state of the disk: not turned into StoreUnavailable.
+_BUGS = (sqlite3.ProgrammingError, sqlite3.IntegrityError, sqlite3.NotSupportedError, sqlite3.InterfaceError)
+
+
+@contextmanager
+def _storage_errors(path: Path) -> Iterator[None]:
+    """The one border where sqlite3's errors become the store's."""
+    try:
+        yield
+    except _BUGS:
+        raise
+    except sqlite3.Error as exc:
+        # sqlite_errorname is Python 3.11+; on 3.10 the message of SQLITE_FULL is the only sign.
+        name = getattr(exc, "sqlite_errorname", None)
+        full = name in _FULL if name is not None else "database or disk is full" in str(exc)
+        raise (StoreFull if full else StoreUnavailable)(f"the job store {path}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -144,6 +190,9 @@ class JobStore:
             max_attempts: the default for `fail(retry=True)`, and a job left running by as many crashed processes
                 is failed at open rather than queued again (a request that kills the process must not loop).
             clock: seconds since the epoch (stored on disk, so it must survive a restart).
+
+        Raises:
+            StoreUnavailable: the database cannot be opened or created (StoreFull: the disk is full).
         """
         if max_jobs < 1:
             raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
@@ -158,10 +207,12 @@ class JobStore:
         self._clock = clock
         self._lock = threading.Lock()
         # isolation_level=None: no implicit transactions; each write below is one explicit BEGIN IMMEDIATE.
-        self._db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
+        with _storage_errors(self.path):
+            self._db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
         try:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")  # WAL + NORMAL may lose the last commits on power loss
+            with _storage_errors(self.path):
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=FULL")  # WAL + NORMAL may lose the last commits on power loss
             with self._write() as db:
                 for statement in filter(str.strip, _SCHEMA.split(";")):  # not executescript: it commits
                     db.execute(statement)
@@ -182,6 +233,7 @@ class JobStore:
 
         Raises:
             QueueFull: `max_jobs` jobs are already queued or running.
+            StoreUnavailable: the database refused the write (StoreFull: the disk is full); nothing was stored.
         """
         now = self._clock()
         job_id = secrets.token_urlsafe(16)
@@ -251,21 +303,20 @@ class JobStore:
         self._update_running(job_id, "status = ?, started_at = NULL, attempts = max(attempts - 1, 0)", (QUEUED,))
 
     def get(self, job_id: str, *, with_request: bool = False) -> Job | None:
-        """The job, or None when there is none (never was, or deleted `ttl_s` after it ended)."""
+        """The job, or None when there is none (never was, or `ttl_s` past its end). A read only: a queued job past
+        `expires_at` is shown expired, and one past its `ttl_s` as gone, before `expire` or `claim` writes it so."""
         now = self._clock()
-        with self._write() as db:
-            row = db.execute("SELECT status, expires_at, finished_at FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            if row is None:
-                return None
-            status, expires_at, finished_at = row
-            if status in ENDED and finished_at is not None and finished_at + self.ttl_s <= now:
-                db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
-                return None
-            if status == QUEUED and expires_at <= now:
-                self._expire_queued(db, now)
-            columns = f"{_COLUMNS}, request" if with_request else _COLUMNS
+        columns = f"{_COLUMNS}, request" if with_request else _COLUMNS
+        with self._read() as db:
             found = db.execute(f"SELECT {columns} FROM jobs WHERE id = ?", (job_id,)).fetchone()  # noqa: S608
-        return _job(found[:12], found[12] if with_request else None)
+        if found is None:
+            return None
+        job = _job(found[:12], found[12] if with_request else None)
+        if job.status == QUEUED and job.expires_at <= now:
+            job = replace(job, status=EXPIRED, finished_at=job.expires_at, error=_EXPIRED_ERROR, request=None)
+        if job.status in ENDED and job.finished_at is not None and job.finished_at + self.ttl_s <= now:
+            return None
+        return job
 
     def expire(self) -> int:
         """Mark queued jobs past `expires_at` expired, delete ended jobs `ttl_s` after they ended; how many changed."""
@@ -278,9 +329,11 @@ class JobStore:
 
     def counts(self) -> dict[str, int]:
         """How many jobs in each status, every status named (queued jobs past expires_at counted as expired)."""
-        with self._write() as db:
-            self._expire_queued(db, self._clock())
-            rows = db.execute("SELECT status, count(*) FROM jobs GROUP BY status").fetchall()
+        with self._read() as db:
+            rows = db.execute(
+                "SELECT CASE WHEN status = ? AND expires_at <= ? THEN ? ELSE status END, count(*) FROM jobs GROUP BY 1",
+                (QUEUED, self._clock(), EXPIRED),
+            ).fetchall()
         return {status: 0 for status in STATUSES} | dict(rows)
 
     def close(self) -> None:
@@ -296,15 +349,30 @@ class JobStore:
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
-        """One transaction, holding the lock; committed when the block ends, rolled back when it raises."""
-        with self._lock:
+        """One transaction, holding the lock; committed when the block ends, rolled back when it (or the commit)
+        raises, so that a failed write leaves nothing half done and the next one starts clean."""
+        with self._lock, _storage_errors(self.path):
+            self._rollback()  # a transaction a failed rollback left open would refuse every BEGIN after it
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
+                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
-            self._db.execute("COMMIT")
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """Reads with the lock held, outside any write transaction (each statement sees one committed state)."""
+        with self._lock, _storage_errors(self.path):
+            yield self._db
+
+    def _rollback(self) -> None:
+        # SQLite rolls some failures back by itself (SQLITE_FULL at COMMIT): then there is nothing to roll back,
+        # and a ROLLBACK would raise over the error that matters.
+        if self._db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
 
     def _update_running(self, job_id: str, assignments: str, params: tuple[Any, ...]) -> None:
         with self._write() as db:
@@ -321,5 +389,5 @@ class JobStore:
         return db.execute(
             "UPDATE jobs SET status = ?, finished_at = expires_at, error = ?, request = NULL "
             "WHERE status = ? AND expires_at <= ?",
-            (EXPIRED, "expired before it could run", QUEUED, now),
+            (EXPIRED, _EXPIRED_ERROR, QUEUED, now),
         ).rowcount

@@ -5,6 +5,13 @@ A job runs at the model's lowest priority level and without a deadline, only whi
 below `drain_below`, so jobs never take the device from live traffic. Its answer is stored as a JSON V2 response.
 A job the agent could not start (refused by admission) goes back to the queue; one whose run failed is retried
 (at most three attempts). Jobs are counted once, as `queued_async`, when they are accepted.
+
+When the disk refuses a write (full, say), nothing crashes and nothing is held in memory but job ids: `submit`
+raises StoreUnavailable (the app answers 503 with its reason); a run whose end cannot be written (its answer, a
+failure, a requeue) stays `running` on disk while this process remembers how it ended, and the drain loop writes
+that first, claiming nothing new, once the disk takes writes again. A run whose answer could not be stored counts as
+a failed attempt and is run again (failed after `max_attempts`). Each kind of write (accepting jobs, updating them)
+logs one line when it starts failing and one when it works again, however many requests came between.
 """
 
 from __future__ import annotations
@@ -12,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from edge_agent.overflow.jobs import Job, JobStore
+from edge_agent.overflow.jobs import Job, JobNotRunning, JobStore, StoreUnavailable
 from edge_agent.scheduling.worker import ExecutionFailed, Refused
 from edge_agent.serving.tensors import RequestedOutput, TensorError, decode_request, encode_response, validate_inputs
 
@@ -25,6 +33,42 @@ if TYPE_CHECKING:
 log = logging.getLogger("spillway.agent.jobs")
 
 EXPIRE_EVERY_S = 10.0
+STORAGE_RETRY_S = 1.0  # while the store refuses writes, the drain loop tries it again this often
+T = TypeVar("T")
+
+
+class WriteStreak:
+    """Whether one kind of write to the store works; a streak of failures is logged once, and its end once."""
+
+    def __init__(self, failing: str, working: str) -> None:
+        self._failing = failing
+        self._working = working
+        self.failures = 0  # consecutive
+        self.last_error: str | None = None
+
+    def failed(self, exc: StoreUnavailable) -> None:
+        self.failures += 1
+        self.last_error = str(exc)
+        if self.failures == 1:
+            log.warning("%s: %s (logged again once it works)", self._failing, exc)
+
+    def worked(self) -> None:
+        if self.failures:
+            log.info("%s after %d failed write(s)", self._working, self.failures)
+        self.failures = 0
+
+    def json(self) -> dict[str, Any]:
+        return {"ok": self.failures == 0, "consecutive_failures": self.failures, "last_error": self.last_error}
+
+
+@dataclass(frozen=True)
+class _End:
+    """How a run ended, as the store must record it: `error` None is a requeue (it could not start), else a failure,
+    queued again with `retry`."""
+
+    job_id: str
+    error: str | None = None
+    retry: bool = False
 
 
 class AsyncQueue:
@@ -48,6 +92,11 @@ class AsyncQueue:
         self.allow_non_finite = allow_non_finite
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
+        self._unsettled: dict[str, _End] = {}  # job id -> how its run ended, which the disk refused to record
+        self.accepting = WriteStreak("the async queue cannot store new jobs; the requests it would take are refused",
+                                     "the async queue stores new jobs again")  # fmt: skip
+        self.updating = WriteStreak("the async queue cannot update its jobs; it runs none until it can",
+                                    "the async queue updates its jobs again")  # fmt: skip
         self.ran = 0
         self.failed = 0
 
@@ -55,8 +104,15 @@ class AsyncQueue:
         return model in self.models
 
     async def submit(self, model: str, version: str | None, body: bytes, header_length: int | None) -> Job:
-        """Durable when it returns; raises jobs.QueueFull when the queue is at its bound."""
-        return await asyncio.to_thread(self.store.submit, model, version, body, header_length)
+        """Durable when it returns; raises jobs.QueueFull when the queue is at its bound, jobs.StoreUnavailable
+        (StoreFull) when the disk refuses the write."""
+        try:
+            job = await asyncio.to_thread(self.store.submit, model, version, body, header_length)
+        except StoreUnavailable as exc:
+            self.accepting.failed(exc)
+            raise
+        self.accepting.worked()
+        return job
 
     async def get(self, job_id: str) -> Job | None:
         return await asyncio.to_thread(self.store.get, job_id)
@@ -76,6 +132,8 @@ class AsyncQueue:
         for task in list(self._running):  # a job cut short is "running" on disk: the next start requeues it
             task.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
+        with contextlib.suppress(StoreUnavailable):  # a last try; what stays "running" is requeued at the next start
+            await self._record_unsettled()
         await asyncio.to_thread(self.store.close)
 
     def _has_room(self) -> list[str]:
@@ -94,27 +152,33 @@ class AsyncQueue:
         loop = asyncio.get_running_loop()
         next_expiry = 0.0
         while True:
+            started = 0
             try:
+                await self._record_unsettled()  # before anything new: these jobs are "running" on disk
                 if loop.time() >= next_expiry:
-                    expired = await asyncio.to_thread(self.store.expire)
+                    expired = await self._write(self.store.expire)
                     if expired:
+                        self.updating.worked()
                         log.info("%d job(s) expired", expired)
                     next_expiry = loop.time() + EXPIRE_EVERY_S
                 started = await self._start_some()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the loop must outlive a bad moment of the disk
+            except StoreUnavailable:  # counted and logged (once per streak) by _write; the disk gets a moment
+                await asyncio.sleep(STORAGE_RETRY_S)
+                continue
+            except Exception:  # a bug of ours: the loop must outlive it
                 log.exception("the job queue's drain step failed")
-                started = 0
             await asyncio.sleep(0 if started else self.poll_s)
 
     async def _start_some(self) -> int:
         room = self._has_room()
         if not room:
             return 0
-        job = await asyncio.to_thread(self.store.claim, room)
+        job = await self._write(self.store.claim, room)
         if job is None:
             return 0
+        self.updating.worked()
         task = asyncio.get_running_loop().create_task(self._run(job))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
@@ -122,28 +186,68 @@ class AsyncQueue:
         return 1
 
     async def _run(self, job: Job) -> None:
+        """Run a claimed job and record how it ended: done, failed, or queued again. Never raises for the disk: an
+        end it cannot record now is recorded by the drain loop once it can, so no job stays `running` for good."""
         try:
             response = self._admit(job)
         except _Unservable as exc:
             self.failed += 1
-            await asyncio.to_thread(self.store.fail, job.id, str(exc))
+            await self._settle(_End(job.id, str(exc)))
             return
         except Refused:
-            await asyncio.to_thread(self.store.requeue, job.id)
+            await self._settle(_End(job.id))
             return
         try:
             body = await response
         except (Refused, ExecutionFailed) as exc:
             self.failed += 1
-            await asyncio.to_thread(self.store.fail, job.id, str(exc), retry=True)
+            await self._settle(_End(job.id, str(exc), retry=True))
             return
         try:
-            await asyncio.to_thread(self.store.finish, job.id, body)
+            await self._write(self.store.finish, job.id, body)
         except ValueError as exc:  # an answer the store cannot keep: the job fails rather than staying "running"
             self.failed += 1
-            await asyncio.to_thread(self.store.fail, job.id, f"the answer could not be stored: {exc}")
+            await self._settle(_End(job.id, f"the answer could not be stored: {exc}"))
             return
+        except StoreUnavailable as exc:  # run again later, rather than hold answers in memory until the disk frees
+            self.failed += 1
+            await self._settle(_End(job.id, f"its answer could not be stored: {exc}", retry=True))
+            return
+        self.updating.worked()
         self.ran += 1
+
+    async def _write(self, write: Callable[..., T], *args: Any) -> T:
+        """One write to the store, off the event loop; a refusal of the disk is counted in `updating` and raised.
+        (A success is not counted here: a claim or an expiry that found nothing to change wrote nothing.)"""
+        try:
+            return await asyncio.to_thread(write, *args)
+        except StoreUnavailable as exc:
+            self.updating.failed(exc)
+            raise
+
+    def _record(self, end: _End) -> None:
+        if end.error is None:
+            self.store.requeue(end.job_id)
+        else:
+            self.store.fail(end.job_id, end.error, retry=end.retry)
+
+    async def _settle(self, end: _End) -> None:
+        try:
+            await self._write(self._record, end)
+        except StoreUnavailable:
+            self._unsettled[end.job_id] = end
+            return
+        except JobNotRunning:  # ended some other way meanwhile: nothing is left to record
+            return
+        self.updating.worked()
+
+    async def _record_unsettled(self) -> None:
+        """Write the ends the disk refused earlier, oldest first; raises StoreUnavailable while it still refuses."""
+        for end in list(self._unsettled.values()):
+            with contextlib.suppress(JobNotRunning):
+                await self._write(self._record, end)
+                self.updating.worked()
+            del self._unsettled[end.job_id]
 
     def _admit(self, job: Job) -> asyncio.Future[bytes]:
         """Queue the job's request on its model (lowest level, no deadline); the future is the JSON answer."""
@@ -188,7 +292,8 @@ class AsyncQueue:
 
     def json(self) -> dict[str, Any]:
         return {"models": sorted(self.models), "drain_below": self.drain_below, "running": len(self._running),
-                "ran": self.ran, "failed": self.failed}  # fmt: skip
+                "ran": self.ran, "failed": self.failed, "unrecorded_ends": len(self._unsettled),
+                "store": {"accepting": self.accepting.json(), "updating": self.updating.json()}}  # fmt: skip
 
 
 class _Unservable(Exception):

@@ -9,6 +9,9 @@ A document is applied whole or not at all:
      move to the variants, batching parameters are retuned, shed and fallback change for the next admission;
   4. versions no longer wanted leave routing at once and are closed once everything they had queued is answered;
   5. telemetry is rebuilt if its buckets or interval changed, and a document from the control plane is cached.
+     A cache write the disk refuses (full, say) is remembered and tried again on every poll tick (`sync_cache`)
+     until it succeeds, so that a restart without the control plane never runs an older policy than the one that
+     was active; meanwhile the status says the cache is behind, and the streak is logged once (and its end once).
 
 Which versions stay loaded: those the model's configuration serves, plus the variant; when the variant is not one
 of those, it replaces the default version in memory (the device was sized for one), and reverting loads the
@@ -25,7 +28,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from edge_agent.policy.cache import CacheUnreadable, PolicyCache
+from edge_agent.policy.cache import CachedPolicy, CacheUnreadable, CacheUnwritable, PolicyCache
 from edge_agent.policy.document import PolicyDocument
 from edge_agent.policy.plan import ModelPlan, Plan, PolicyRefused, ServedModel, Source, build_plan, local_plan
 from edge_agent.runtime.repository import UnknownModelError, version_on_disk
@@ -90,6 +93,12 @@ class PolicyApplier:
         self.closing = False
         self._lock = asyncio.Lock()
         self._retiring: set[asyncio.Task[None]] = set()
+        # The policy cache on disk: what it holds as far as this process knows, and what it is behind on.
+        self.cached_version: int | None = None
+        self._cache_behind: CachedPolicy | None = None  # the latest document from the control plane, not yet written
+        self._cache_lock = asyncio.Lock()  # one write at a time, so an older document never lands after a newer one
+        self.cache_failures = 0  # consecutive
+        self.cache_error: str | None = None
 
     # ---- the hot path ------------------------------------------------------------------------
 
@@ -128,11 +137,38 @@ class PolicyApplier:
             log.info("applied policy version %d from %s%s", document.version, source.replace("_", " "),
                      "".join(f"; {name}: {plan.models[name].json()}" for name in sorted(plan.models)))  # fmt: skip
         if source == "control_plane" and self.cache is not None:
-            try:
-                await asyncio.to_thread(self.cache.store, document, etag)
-            except OSError as exc:
-                log.warning("could not cache policy version %d at %s: %s", document.version, self.cache.path, exc)
+            self._cache_behind = CachedPolicy(document, etag)
+            await self.sync_cache()
         return True
+
+    async def sync_cache(self) -> bool:
+        """Write the latest document from the control plane to the cache if the cache is behind it; True when the
+        cache is up to date. Run after each apply and on every poll tick, so that a refused write is retried."""
+        if self.cache is None:
+            return True
+        async with self._cache_lock:
+            behind = self._cache_behind
+            if behind is None:
+                return True
+            try:
+                await asyncio.to_thread(self.cache.store, behind.document, behind.etag)
+            except CacheUnwritable as exc:
+                self.cache_failures += 1
+                self.cache_error = str(exc)
+                if self.cache_failures == 1:
+                    held = "nothing" if self.cached_version is None else f"version {self.cached_version}"
+                    log.warning("could not cache policy version %d: %s; the cache holds %s and is written on the next "
+                                "poll tick that can (logged again once it is)", behind.document.version, exc,
+                                held)  # fmt: skip
+                return False
+            if self.cache_failures:
+                log.info("cached policy version %d after %d failed write(s)", behind.document.version,
+                         self.cache_failures)  # fmt: skip
+            self.cache_failures = 0
+            self.cached_version = behind.document.version
+            if self._cache_behind is behind:
+                self._cache_behind = None
+            return self._cache_behind is None
 
     async def apply_cached(self) -> bool:
         """At start, before serving: the cached document if there is a valid one (else the local configuration)."""
@@ -145,6 +181,7 @@ class PolicyApplier:
             return False
         if cached is None:
             return False
+        self.cached_version = cached.document.version
         return await self.apply(cached.document, "cache", cached.etag)
 
     def confirmed(self) -> None:
@@ -282,7 +319,20 @@ class PolicyApplier:
             },
             "refusals": self.refusals,
             "last_refusal": None if self.last_refusal is None else self.last_refusal.json(),
+            "policy_cache": None if self.cache is None else self._cache_json(),
             "models": models,
+        }
+
+    def _cache_json(self) -> dict[str, Any]:
+        assert self.cache is not None
+        behind = self._cache_behind
+        return {
+            "path": str(self.cache.path),
+            "version": self.cached_version,
+            "behind": behind is not None,
+            "pending_version": None if behind is None else behind.document.version,
+            "consecutive_failures": self.cache_failures,
+            "last_error": self.cache_error,
         }
 
 

@@ -1,9 +1,10 @@
 """The last good policy document on disk, so that an agent restarted without its control plane keeps behaving as
-it was told. Written atomically (a temporary file, fsync, rename, fsync of the directory): a crash leaves the old
-file or the new one, never half of one."""
+it was told. Written atomically (a temporary file, fsync, rename, fsync of the directory): a crash or a full disk
+leaves the old file or the new one, never half of one, and no temporary file behind."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -23,6 +24,14 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 class CacheUnreadable(ValueError):
     """The cache file exists but holds no usable document; the message says why."""
+
+
+class CacheUnwritable(Exception):
+    """The disk refused the new document (`full`: no space left); the old file, if any, is untouched."""
+
+    def __init__(self, message: str, *, full: bool) -> None:
+        super().__init__(message)
+        self.full = full
 
 
 @dataclass(frozen=True)
@@ -62,10 +71,17 @@ class PolicyCache:
         return CachedPolicy(document, etag if isinstance(etag, str) else None)
 
     def store(self, document: PolicyDocument, etag: str | None) -> None:
-        """Replace the cached document atomically; raises OSError when the disk refuses."""
+        """Replace the cached document atomically; raises CacheUnwritable when the disk refuses."""
         payload = json.dumps(
             {"agent_id": self.agent_id, "etag": etag, "document": document.model_dump(mode="json")}, indent=1
         ).encode()
+        try:
+            self._replace(payload)
+        except OSError as exc:
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise CacheUnwritable(f"{self.path}: cannot write: {exc}", full=full) from exc
+
+    def _replace(self, payload: bytes) -> None:
         directory = self.path.parent
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)

@@ -6,6 +6,8 @@ bounded HTTP client, so a slow or absent control plane costs serving nothing: an
 5xx, a 401/403/404) keeps the active policy, backs off exponentially (jittered, capped), and is logged once per
 streak of failures (and once when polls work again). A refused document is not fetched again for a minute, so
 one bad document is not refused (and counted) on every poll; after that it is tried again (memory may be free).
+Every poll tick also writes the policy cache if a write the disk refused left it behind, whether or not the control
+plane answers (a restart without it must find the active policy).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class PolicyPoller:
         """Ask once; returns "applied", "unchanged", "refused" or "failed" (never raises for a bad answer)."""
         self.polls += 1
         self.last_poll_at = self._clock()
+        await self.applier.sync_cache()
         try:
             etag, body = await self._fetch()
         except PollFailed as exc:

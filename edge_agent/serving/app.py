@@ -19,7 +19,7 @@ import numpy as np
 from edge_agent import __version__
 from edge_agent.overflow.fallback import ResponseCache, default_answer, inputs_key
 from edge_agent.overflow.forward import Forwarded, Forwarder
-from edge_agent.overflow.jobs import QueueFull
+from edge_agent.overflow.jobs import QueueFull, StoreUnavailable
 from edge_agent.runtime.repository import UnknownModelError
 from edge_agent.runtime.spec import ModelConfig
 from edge_agent.scheduling.worker import ExecutionFailed, Refused
@@ -51,6 +51,8 @@ _INLINE_ELEMENTS = 64 << 10  # outputs up to this many elements are encoded on t
 
 # A request refused because its fallback found no cached answer is told to come back after this long.
 FALLBACK_MISS_RETRY_AFTER_S = 5
+# A job's status that the job store cannot read now (an I/O error) is asked for again after this long.
+STORE_UNAVAILABLE_RETRY_AFTER_S = 5
 # Admission refusals that overflow turns into a trip to the cloud (the device cannot serve them in time).
 OVERFLOWING = frozenset({"deadline_unmeetable", "queue_full"})
 JOBS_PREFIX = "/spillway/v1/jobs/"
@@ -137,6 +139,9 @@ class InferenceApp:
                 await _respond(send, 405, encode_error(f"method {method} not allowed on {path}"))
         except UnknownModelError as exc:
             await _respond(send, 404, encode_error(str(exc)))
+        except StoreUnavailable as exc:  # reading a job (or the status's job counts) from a store that refuses
+            body = json.dumps({"error": str(exc), "reason": exc.reason}).encode()
+            await _respond(send, 503, body, extra=[(b"retry-after", str(STORE_UNAVAILABLE_RETRY_AFTER_S).encode())])
 
     def _closing_when_draining(self, send: Send) -> Send:
         """Once draining, every answer closes its connection, so no client reuses one the agent will close."""
@@ -353,6 +358,26 @@ class InferenceApp:
                            parameters=_LOCAL, offload=big)  # fmt: skip
 
     async def _overflow(self, send: Send, context: _Context, deadline: float | None, why: str) -> None:
+        """Overflow and, when it fails, the fallback chain; an error of ours on the way is an `error` answer (500,
+        JSON, counted), never a bare 500 from the server without an outcome."""
+        started = False
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._overflow_or_fall_back(tracking_send, context, deadline, why)
+        except Exception:
+            log.exception("overflow or the fallback chain of a request for %s failed", context.model.config.name)
+            if started:  # the client has its status line already: nothing more can be said to it
+                return
+            context.model.worker.stats.outcome(context.level, "error")
+            await _respond(send, 500, _error_body("internal error; see the agent log", "error"),
+                           extra=[(b"spillway-outcome", b"error"), *context.extra])  # fmt: skip
+
+    async def _overflow_or_fall_back(self, send: Send, context: _Context, deadline: float | None, why: str) -> None:
         """Send the request to the gateway with what is left of its deadline; on failure, the fallback chain."""
         stats = context.model.worker.stats
         if self.forwarder is None:
@@ -388,7 +413,8 @@ class InferenceApp:
 
     async def _fallback_chain(self, send: Send, context: _Context, reason: str, message: str, retry_s: float) -> None:
         """When the cloud cannot answer: the cached answer to these inputs, the model's default outputs, the async
-        queue (models that accept it), else 503 with the reason."""
+        queue (models that accept it), else 503 with the reason (the last step's own, when it had one: the async
+        queue's disk refusing the job is `async_storage_full`)."""
         model, config = context.model, context.model.config
         stats = model.worker.stats
         if self.responses is not None:
@@ -408,6 +434,9 @@ class InferenceApp:
                 job = await self.jobs.submit(config.name, version, context.body, length)
             except QueueFull:
                 message += "; and the async queue is full"
+            except StoreUnavailable as exc:  # logged by the queue once per streak, not here per request
+                reason = exc.reason
+                message += f"; and the async queue cannot store it now: {exc}"
             else:
                 body = {"id": job.id, "status": job.status, "model_name": config.name, "outcome": "queued_async",
                         "parameters": {"spillway_outcome": "queued_async", "spillway_reason": reason},

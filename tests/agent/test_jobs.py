@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.overflow.jobs import Job, JobNotRunning, JobStore, QueueFull
+from edge_agent.overflow.jobs import Job, JobNotRunning, JobStore, QueueFull, StoreFull
+from tests.utils.fullfs import SmallDisk, small_disk
 
 RESPONSE = json.dumps({"model_name": "mlp", "outputs": [{"name": "y", "datatype": "FP32", "shape": [1], "data": [1]}]})
 
@@ -185,7 +187,7 @@ def test_queued_jobs_expire_and_ended_jobs_are_deleted_ttl_after(store: JobStore
     assert got is not None and got.status == "expired" and got.request is None
     assert got.finished_at == got.expires_at == fresh.created_at + 60  # kept ttl_s from when it expired
     clock.now = fresh.created_at + 120
-    assert store.get(fresh.id) is None  # deleted lazily by get too
+    assert store.get(fresh.id) is None  # gone for get at once, before a sweep deletes it
     assert late.id != fresh.id
 
 
@@ -305,3 +307,41 @@ def test_the_store_refuses_nonsense_naming_the_setting(tmp_path: Path, setting: 
     with pytest.raises(ValueError, match=setting):
         JobStore(tmp_path / "jobs.db", **{setting: value})  # type: ignore[arg-type]
     assert not (tmp_path / "jobs.db").exists()
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[SmallDisk]:
+    with small_disk(tmp_path / "disk") as mounted:
+        yield mounted
+
+
+def test_a_full_disk_is_store_full_reads_still_work_and_writes_work_again_once_space_returns(
+    disk: SmallDisk, clock: FakeClock
+) -> None:
+    with JobStore(disk.root / "jobs.db", ttl_s=60.0, clock=clock) as store:
+        waiting = store.submit("mlp", None, b"x" * 20_000, None)
+        running = claimed(store)
+        stale = store.submit("mlp", None, b"{}", None)
+        disk.fill()
+        for _ in range(3):  # each refusal leaves the store as it was, and usable
+            with pytest.raises(StoreFull) as refused:
+                store.submit("mlp", None, b"x" * 20_000, None)
+            assert refused.value.reason == "async_storage_full" and "database or disk is full" in str(refused.value)
+            assert isinstance(refused.value.__cause__, sqlite3.OperationalError)
+        with pytest.raises(StoreFull):
+            store.finish(running.id, RESPONSE.encode())
+        with pytest.raises(StoreFull):
+            store.fail(running.id, "x", retry=True)
+        # Reads never write: a client still gets its job, counts still count (expiry shown, not written).
+        got = store.get(running.id)
+        assert got is not None and got.status == "running" and got.id == waiting.id
+        clock.now += 61
+        expired = store.get(stale.id, with_request=True)
+        assert expired is not None and (expired.status, expired.request) == ("expired", None)
+        assert store.counts() == {"queued": 0, "running": 1, "done": 0, "failed": 0, "expired": 1}
+
+        disk.free()
+        again = store.submit("mlp", None, b"x" * 20_000, None)
+        store.finish(running.id, RESPONSE.encode())
+        assert store.counts() == {"queued": 1, "running": 0, "done": 1, "failed": 0, "expired": 1}
+        assert claimed(store).id == again.id

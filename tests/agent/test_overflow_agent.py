@@ -7,6 +7,7 @@ through it in tests/test_overflow_e2e.py.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -247,3 +248,45 @@ def test_a_full_async_queue_refuses_with_503_and_says_so(demo_repo: Path, tmp_pa
         assert status(agent)["async_jobs"]["counts"]["queued"] == 1
     finally:
         stop_agent(agent)
+
+
+def test_an_error_of_ours_in_the_fallback_chain_is_an_error_outcome_with_json_never_a_bare_500(
+    demo_repo: Path, tmp_path: Path
+) -> None:
+    """In process, with the real app: the async queue's store closed under it (a real sqlite3.ProgrammingError, a
+    bug rather than a state of the disk) makes the chain's last step raise; the client still gets one answer that
+    says `error`, and the agent counts it."""
+    from edge_agent.config import AgentConfig
+    from edge_agent.serving.server import build_agent, build_registry
+
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    config = AgentConfig(model_repository=demo_repo, state_dir=tmp_path / "state", fallback_cache_bytes=0,
+                         async_jobs={"models": ["mlp"]},
+                         **edge_settings(nowhere, at_or_below=2))  # fmt: skip
+    agent = build_agent(config, build_registry(config))
+    assert agent.jobs is not None and agent.forwarder is not None
+    agent.jobs.store.close()
+
+    async def scenario() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=agent.app)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://agent", timeout=60) as client:
+            try:
+                return [await client.post("/v2/models/mlp/infer", json=infer_body(X, priority=p)) for p in (2, 2, 1)]
+            finally:
+                assert agent.forwarder is not None
+                await agent.forwarder.close()
+
+    try:
+        broken, again, local = asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        agent.close()
+    for answer in (broken, again):
+        assert answer.status_code == 500, answer.text
+        assert answer.headers["spillway-outcome"] == "error"
+        assert answer.json() == {"error": "internal error; see the agent log", "outcome": "error"}
+    assert local.status_code == 200 and local.headers["spillway-outcome"] == "local"
+    counted: dict[tuple[int, str], int] = {}
+    for model in agent.registry.all():
+        for key, count in model.worker.stats.outcomes.items():
+            counted[key] = counted.get(key, 0) + count
+    assert counted == {(2, "error"): 2, (1, "local"): 1}

@@ -21,6 +21,7 @@ from edge_agent.policy.client import RETRY_REFUSED_AFTER_S, PolicyPoller
 from edge_agent.policy.document import PolicyDocument
 from edge_agent.serving.server import Agent, build_agent, build_registry
 from tests.agent.policy_support import AGENT_ID, TOKEN, PolicyServer, document, make_repository
+from tests.utils.fullfs import small_disk
 from tests.utils.server import free_port, serving
 
 T = TypeVar("T")
@@ -294,3 +295,50 @@ def test_without_etags_the_documents_digest_tells_unchanged_from_new(
         return [*results, await poller.poll_once()]
 
     assert run(agent, scenario) == ["applied", "unchanged", "applied"]
+
+
+def test_a_policy_applied_while_the_disk_is_full_is_cached_once_space_returns_even_without_the_control_plane(
+    lite_repo: Path, tmp_path: Path, policy_server: tuple[PolicyServer, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    server, url = policy_server
+    state = tmp_path / "state"
+    caplog.set_level(logging.INFO, logger="spillway.agent.policy")
+    with small_disk(state) as disk:
+        agent = make_agent(lite_repo, tmp_path, url)
+        poller = poller_of(agent)
+
+        async def scenario() -> list[Any]:
+            server.publish(document(1, mlp={"shed": {"at_or_below": 3}}))
+            seen: list[Any] = [await poller.poll_once()]
+            disk.fill()
+            server.publish(document(2, mlp={"shed": {"at_or_below": 2}}))
+            seen.append(await poller.poll_once())  # applied; the cache write refused
+            seen.append(agent.status().get("policy_cache"))
+            seen.append(await poller.poll_once())  # 304; the write refused again, not logged again
+            seen.append(PolicyCache(state, AGENT_ID).load())  # the old document, whole
+            disk.free()
+            server.failing = 503  # space returns while the control plane is down: the poll tick writes anyway
+            seen.append(await poller.poll_once())
+            seen.append(agent.status().get("policy_cache"))
+            return seen
+
+        seen = run(agent, scenario)
+        cached = PolicyCache(state, AGENT_ID).load()
+        assert cached is not None and cached.document.version == 2 and cached.etag == server.etag
+        assert sorted(p.name for p in state.iterdir()) == [f"policy-{AGENT_ID}.json"]  # no temporary file left
+        # A restart without the control plane runs the policy that was active, not the older one.
+        restarted = make_agent(lite_repo, tmp_path, f"http://127.0.0.1:{free_port()}")
+        assert run(restarted, restarted.applier.apply_cached) is True
+        assert restarted.applier.plan.version == 2 and restarted.status()["policy_cache"]["version"] == 2
+    assert seen[0] == "applied" and seen[1] == "applied" and seen[3] == "unchanged" and seen[5] == "failed"
+    assert agent.applier.plan.version == 2
+    held_while_full = seen[4]
+    assert held_while_full is not None and held_while_full.document.version == 1
+    behind, caught_up = seen[2], seen[6]
+    assert behind["behind"] is True and behind["version"] == 1 and behind["pending_version"] == 2
+    assert behind["consecutive_failures"] == 1 and "No space left on device" in behind["last_error"]
+    assert caught_up["behind"] is False and caught_up["version"] == 2 and caught_up["pending_version"] is None
+    assert caught_up["consecutive_failures"] == 0
+    refused = [r for r in caplog.records if "could not cache policy version 2" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelno == logging.WARNING  # one line for the streak of two
+    assert sum("cached policy version 2 after 2 failed write(s)" in r.getMessage() for r in caplog.records) == 1
