@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any, cast
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy import CursorResult, exists, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, aliased
 
 from controlplane.db.models import Agent, ApiKey, utcnow
 from controlplane.db.repository import Actor, check_if_match, count, flush, record_event
-from controlplane.errors import Conflict, DuplicateName, NotFound
+from controlplane.errors import Conflict, DuplicateName, NotFound, PreconditionFailed, SpillwayError
 from controlplane.secrets import (
     AGENT_TOKEN_PREFIX,
     API_KEY_PREFIX,
@@ -48,10 +50,40 @@ def get_api_key(session: Session, ident: str) -> ApiKey:
     return key
 
 
-def _other_active_admins(session: Session, key: ApiKey) -> int:
-    """Locks every active admin row, in id order (PostgreSQL), so two admins cannot revoke each other at once."""
-    admins = select(ApiKey.id).where(ApiKey.role == "admin", ApiKey.revoked_at.is_(None)).order_by(ApiKey.id)
-    return sum(1 for ident in session.scalars(admins.with_for_update()) if ident != key.id)
+def _write_key(session: Session, key: ApiKey, values: dict[str, Any], *, keeps_an_admin: bool) -> bool:
+    """One conditional UPDATE of `key` at the version that was read; with `keeps_an_admin`, only while another
+    active admin key exists. False when it changed nothing: the key changed meanwhile, or it is the last admin.
+
+    The condition is checked by the statement that writes, so no concurrent change can slip between the two: on
+    SQLite the statement holds the database's write lock; on PostgreSQL (READ COMMITTED, where each statement sees
+    what was committed before it began) the active admin rows are locked first, in id order, so that two removals
+    take turns and the second one's condition sees the first one's commit.
+    """
+    changed = update(ApiKey).where(ApiKey.id == key.id, ApiKey.version == key.version, ApiKey.revoked_at.is_(None))
+    if keeps_an_admin:
+        admins = select(ApiKey.id).where(ApiKey.role == "admin", ApiKey.revoked_at.is_(None)).order_by(ApiKey.id)
+        session.scalars(admins.with_for_update()).all()
+        other = aliased(ApiKey)
+        changed = changed.where(exists().where(other.role == "admin", other.revoked_at.is_(None), other.id != key.id))
+    try:
+        written = session.execute(
+            changed.values(**values, version=ApiKey.version + 1), execution_options={"synchronize_session": False}
+        )
+    except IntegrityError as exc:  # a concurrent rename won the race for the name
+        session.rollback()
+        raise DuplicateName(
+            f"an API key named '{values.get('name')}' already exists",
+            details=[{"field": "name", "message": "taken"}],
+        ) from exc
+    session.refresh(key)  # as written, or as it is now (why nothing was written)
+    return cast(CursorResult[Any], written).rowcount == 1
+
+
+def _refused(key: ApiKey, version: int, doing: str) -> SpillwayError:
+    """Why a conditional write of `key` (read at `version`) changed nothing."""
+    if key.version != version:
+        return PreconditionFailed(f"API key '{key.name}' changed while you wrote it; GET it again and retry")
+    return Conflict(f"this is the last active admin key; create another admin key before {doing} it")
 
 
 def change_api_key(
@@ -61,28 +93,31 @@ def change_api_key(
     check_if_match(if_match, key)
     if key.revoked_at is not None:
         raise Conflict(f"API key '{key.name}' is revoked; create a new one")
-    changes = {}
+    changes: dict[str, dict[str, str]] = {}
     if name is not None and name != key.name:
         if session.scalar(select(ApiKey.id).where(ApiKey.name == name)) is not None:
             raise DuplicateName(
                 f"an API key named '{name}' already exists", details=[{"field": "name", "message": "taken"}]
             )
         changes["name"] = {"from": key.name, "to": name}
-        key.name = name
     if role is not None and role != key.role:
-        if key.role == "admin" and _other_active_admins(session, key) == 0:
-            raise Conflict("this is the last active admin key; create another admin key before demoting it")
         changes["role"] = {"from": key.role, "to": role}
-        key.role = role
-    if changes:
-        record_event(
-            session,
-            kind="api_key.updated",
-            actor=actor,
-            subject_type="api_key",
-            subject_id=ident,
-            data={"name": key.name, "changes": changes},
-        )
+    if not changes:
+        return key
+    version, demoting = key.version, "role" in changes and key.role == "admin"
+    values = {field: change["to"] for field, change in changes.items()}
+    if not _write_key(session, key, values, keeps_an_admin=demoting):
+        if key.revoked_at is not None:
+            raise Conflict(f"API key '{key.name}' is revoked; create a new one")
+        raise _refused(key, version, "demoting")
+    record_event(
+        session,
+        kind="api_key.updated",
+        actor=actor,
+        subject_type="api_key",
+        subject_id=ident,
+        data={"name": key.name, "changes": changes},
+    )
     flush(session, "API key")
     return key
 
@@ -92,9 +127,11 @@ def revoke_api_key(session: Session, ident: str, if_match: str | None, actor: Ac
     check_if_match(if_match, key)
     if key.revoked_at is not None:
         return
-    if key.role == "admin" and _other_active_admins(session, key) == 0:
-        raise Conflict("this is the last active admin key; create another admin key before revoking it")
-    key.revoked_at = utcnow()
+    version = key.version
+    if not _write_key(session, key, {"revoked_at": utcnow()}, keeps_an_admin=key.role == "admin"):
+        if key.revoked_at is not None:  # revoked meanwhile by someone else: what was asked holds
+            return
+        raise _refused(key, version, "revoking")
     record_event(
         session,
         kind="api_key.revoked",
