@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import Api
-from tests.utils.builders import make_agent, make_backend, make_rule, make_slo
+from tests.utils.builders import BUILDERS, make_agent, make_backend, make_rule, make_slo
 
 CASES = [
     ("slos", make_slo(objective=100), "body.objective", "less than 100"),
@@ -104,3 +104,38 @@ def test_unknown_route_and_method_are_json(sqlite_api: Api) -> None:
     wrong = sqlite_api.call("DELETE", "/api/v1/status")
     assert wrong.status_code == 405
     assert wrong.json()["error"] == "method_not_allowed"
+
+
+PATCH_SCHEMAS = {"slos": "SloPatch", "rules": "RulePatch", "backends": "BackendPatch", "agents": "AgentPatch"}
+
+
+@pytest.mark.parametrize("plural", sorted(PATCH_SCHEMAS))
+def test_a_patch_of_any_field_to_null_is_applied_or_a_422_naming_it(sqlite_api: Api, plural: str) -> None:
+    """Every field a PATCH schema documents, set to null: the merged resource is valid (200) or the answer is a
+    422 that names the field; never a 500 (issue 11: `"window": null` broke the SLO's PATCH model itself)."""
+    schemas = sqlite_api.call("GET", "/api/v1/openapi.json").json()["components"]["schemas"]
+    created = sqlite_api.call("POST", f"/api/v1/{plural}", json=BUILDERS[plural]()).json()
+    ident = created["agent"]["id"] if plural == "agents" else created["id"]
+    problems = []
+    for field in schemas[PATCH_SCHEMAS[plural]]["properties"]:
+        response = sqlite_api.call("PATCH", f"/api/v1/{plural}/{ident}", json={field: None})
+        payload = response.json()
+        if response.status_code == 422:
+            named = [d for d in payload["details"] if field in d["field"] or field in d["message"]]
+            if payload["error"] != "validation_error" or field not in payload["message"] or not named:
+                problems.append(f"{field}: 422 without naming it: {payload}")
+        elif response.status_code != 200:
+            problems.append(f"{field}: {response.status_code} {payload}")
+    assert problems == []
+
+
+def test_the_patch_schemathesis_found_is_a_422_naming_its_fields(sqlite_api: Api) -> None:
+    """Issue 11's example, as it was sent: nulls, a tiny float and a long If-Match (a 500 before)."""
+    slo = sqlite_api.call("POST", "/api/v1/slos", json=make_slo()).json()
+    body = {"alert_windows": [], "description": "", "name": "0", "objective": 5e-324, "selector": None,
+            "sli_kind": None, "threshold_ms": 5e-324, "window": None}  # fmt: skip
+    for if_match in (f'"{slo["id"]}-1", ' + "W/" * 100, "x" * 600):
+        response = sqlite_api.call("PATCH", f"/api/v1/slos/{slo['id']}", json=body, headers={"If-Match": if_match})
+        assert response.status_code == 422, response.text
+        fields = {d["field"] for d in response.json()["details"]}
+        assert fields & {"body.window", "header.If-Match"}, fields

@@ -253,14 +253,15 @@ def patch_row(
 
 
 def _validate_as(model: type[BaseModel], data: dict[str, Any]) -> BaseModel:
+    """Named as the request's own validation names them: `body.<field>`, and the first one in the message."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
+        details = [{"field": ".".join(("body", *map(str, err["loc"]))), "message": err["msg"]} for err in exc.errors()]
+        first = details[0]
+        more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
         raise ValidationFailed(
-            "the resource would be invalid after this change",
-            details=[
-                {"field": ".".join(str(p) for p in err["loc"]) or "body", "message": err["msg"]} for err in exc.errors()
-            ],
+            f"the resource would be invalid after this change: {first['field']}: {first['message']}{more}", details
         ) from exc
 
 

@@ -167,13 +167,21 @@ class Page(BaseModel, Generic[T]):
 
 
 def partial(model: type[BaseModel]) -> type[BaseModel]:
-    """The PATCH twin of a create schema: same fields and constraints, every one optional."""
+    """The PATCH twin of a create schema: same fields and constraints, every one optional.
+
+    A field's constraints and validators stay on its type, inside the `| None`: put on the optional field they
+    would apply to a null as well (`"window": null` raised a TypeError in a `ge` check, a 500). A null passes
+    here and is judged with the rest of the merged resource, which is validated as a create.
+    """
     fields: dict[str, Any] = {}
     for name, info in model.model_fields.items():
-        copy = info._copy()  # keeps alias, constraints and description
+        copy = info._copy()  # keeps alias, description, discriminator
+        constraints, copy.metadata = copy.metadata, []
         copy.default = None
         copy.default_factory = None
         annotation: Any = info.annotation
+        for constraint in constraints:  # Annotated[Annotated[T, a], b] is Annotated[T, a, b]
+            annotation = Annotated[annotation, constraint]
         fields[name] = (annotation | None, copy)
     patch: type[BaseModel] = create_model(
         f"{model.__name__.removesuffix('Create')}Patch", __config__=model.model_config, **fields
