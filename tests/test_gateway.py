@@ -124,6 +124,24 @@ def test_bad_input_is_refused_with_a_reason(tmp_path: Path, alpha: Faulty) -> No
         assert alpha.stats()["infer"] == before  # none of them reached the backend
 
 
+def test_a_model_name_no_backend_can_register_is_400_naming_it(plane: Plane, alpha: Faulty) -> None:
+    """A NUL or another control character in the model name (or any name outside the rule a backend's models must
+    follow) names nothing that could ever be served: 400 invalid_model_name, not 503 no_backend; after the token."""
+    plane.register(alpha.url)
+    before = alpha.stats()["infer"]
+    for model in ("m%00", "mlp%00x", "ml%0Ap", "%1Bmlp", "mlp%7F", "has%20space", "-mlp", "x" * 129):
+        for path in (f"/v2/models/{model}/infer", f"/v2/models/{model}/versions/1/infer"):
+            response = plane.client.post(f"{plane.url}{path}", content=MLP_REQUEST, headers=plane.agent)
+            assert response.status_code == 400, (path, response.text)
+            assert response.json()["error"] == "invalid_model_name", response.text
+            assert response.json()["message"].startswith("model: "), response.text
+            assert response.headers["spillway-reason"] == "invalid_model_name"
+        assert plane.client.post(f"{plane.url}/v2/models/{model}/infer", content=MLP_REQUEST).status_code == 401
+    assert plane.infer(model="bert").json()["error"] == "no_backend"  # a valid name nobody serves
+    assert alpha.stats()["infer"] == before  # none of them reached the backend
+    assert plane.infer().status_code == 200
+
+
 def test_retries_on_another_backend_and_ejects_after_five_failures(tmp_path: Path, alpha: Faulty, beta: Faulty) -> None:
     with running_plane(f"sqlite:///{tmp_path / 'eject.db'}", gateway_base_ejection_s=0.5) as plane:
         a = plane.register(alpha.url)

@@ -8,9 +8,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from controlplane.api.methods import allowed_methods
 from controlplane.errors import SpillwayError
 
 log = logging.getLogger("spillway.controlplane")
@@ -52,12 +53,19 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(422, "validation_error", f"{first['field']}: {first['message']}{more}", details)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         code = _CODES.get(exc.status_code, HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_"))
         message = str(exc.detail)
+        headers = getattr(exc, "headers", None)
         if exc.status_code == 400 and "parsing the body" in message:
             message = "the request body could not be parsed: send UTF-8 encoded JSON"
-        return error_response(exc.status_code, code, message, None, getattr(exc, "headers", None))
+        if exc.status_code == 405 and (allowed := allowed_methods(request.app, request.scope)):
+            # No route declares OPTIONS: the path exists (else 404), so this is the answer to it.
+            if request.method == "OPTIONS":
+                return Response(status_code=204, headers={"Allow": ", ".join(allowed)})
+            headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+            message = f"{request.method} is not allowed here; allowed: {', '.join(allowed)}"
+        return error_response(exc.status_code, code, message, None, headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

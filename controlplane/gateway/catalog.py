@@ -16,7 +16,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.db.models import Backend
 from controlplane.gateway.backend import BackendSpec, BackendState
+from controlplane.gateway.errors import InvalidModelName
 from controlplane.gateway.pool import BackendPool
+from controlplane.schemas.backends import is_model_name
 
 log = logging.getLogger("spillway.controlplane.gateway")
 MISS_RELOAD_S = 0.5
@@ -89,7 +91,15 @@ class BackendCatalog:
 
     async def current(self, model: str) -> None:
         """Before a request picks: reload if this process changed a backend since the last load, or if nobody
-        serves `model` (then at most every MISS_RELOAD_S). Never raises: the last load serves on failure."""
+        serves `model` (then at most every MISS_RELOAD_S). A failed load does not raise: the last one serves.
+
+        Raises InvalidModelName for a name that no backend can register (the backends' own rule): no load
+        could ever serve it, so it is the request that is wrong, not the fleet that lacks a backend."""
+        if not is_model_name(model):
+            raise InvalidModelName(
+                f"model: {model[:64]!r} is not a model name (1-128 letters, digits, '.', '_' or '-', starting "
+                "with a letter or digit)"
+            )
         try:
             for _ in range(3):  # a load that began before the change does not count
                 if self._generation == self._loaded_generation:

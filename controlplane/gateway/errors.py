@@ -4,6 +4,7 @@ GatewayError
 ├── Unauthenticated       401 unauthenticated      (no or an invalid agent token), with WWW-Authenticate: Bearer
 ├── Forbidden             403 forbidden            (an operator's API key: the gateway is for agents)
 ├── InvalidRequest        400 invalid_request      (a malformed deadline, JSON header or version)
+│   └── InvalidModelName  400 invalid_model_name   (a model name no backend can register: NUL, '/', spaces, ...)
 ├── PayloadTooLarge       413 payload_too_large
 ├── Refusal                                        (no backend can take the request now; retried nowhere)
 │   ├── NoBackend         503 no_backend           (none is registered for the model)
@@ -39,6 +40,10 @@ class Forbidden(GatewayError):
 class InvalidRequest(GatewayError):
     status_code = 400
     code = "invalid_request"
+
+
+class InvalidModelName(InvalidRequest):
+    code = "invalid_model_name"
 
 
 class PayloadTooLarge(GatewayError):

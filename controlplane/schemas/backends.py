@@ -5,11 +5,21 @@ from __future__ import annotations
 from typing import Annotated
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, StringConstraints, field_validator
+from pydantic import Field, SecretStr, StringConstraints, TypeAdapter, ValidationError, field_validator
 
 from controlplane.schemas.common import Name, Stored, Strict, partial
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+_MODEL_NAME: TypeAdapter[str] = TypeAdapter(ModelName)
+
+
+def is_model_name(value: str) -> bool:
+    """Whether a backend can register `value` as a model it serves: the one rule for a model name."""
+    try:
+        _MODEL_NAME.validate_python(value)
+    except ValidationError:
+        return False
+    return True
 
 
 class BackendSpec(Strict):
