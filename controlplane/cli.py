@@ -54,9 +54,10 @@ def serve(
     import uvicorn
 
     from controlplane.app import create_app
+    from edge_agent.serving.graceful import GracefulServer
 
     settings = _settings(host=host, port=port, migrate_on_start=migrate)
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
         port=settings.port,
@@ -67,6 +68,9 @@ def serve(
         proxy_headers=False,
         server_header=False,
     )
+    # On SIGTERM: the listener closes first, every request read (the gateway's included) is answered, and each
+    # keep-alive connection is closed only between two requests.
+    GracefulServer(config).run()
 
 
 def _log_config() -> dict[str, Any]:

@@ -8,7 +8,6 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -25,6 +24,7 @@ from edge_agent.runtime.spec import ModelConfig, ModelVersion
 from edge_agent.scheduling.core import LevelPolicy, Scheduler, SchedulerConfig
 from edge_agent.scheduling.worker import ModelWorker
 from edge_agent.serving.app import InferenceApp
+from edge_agent.serving.graceful import GracefulServer
 from edge_agent.serving.models import LoadedModel, ModelRegistry
 
 if TYPE_CHECKING:
@@ -299,28 +299,18 @@ def _safe(agent_id: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in agent_id)
 
 
-DRAIN_LINGER_S = 0.5
-
-
-class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT: stop admitting (new requests get 503 `draining`), answer everything queued, then exit."""
+class DrainingServer(GracefulServer):
+    """On SIGTERM/SIGINT: stop admitting (new requests get 503 `draining` with `Connection: close`), answer everything
+    queued, then close the listener and each connection between two requests (GracefulServer), then exit."""
 
     def __init__(self, config: uvicorn.Config, app: InferenceApp, drain_timeout_s: float,
                  applier: PolicyApplier | None = None) -> None:  # fmt: skip
-        super().__init__(config)
+        super().__init__(config, close_timeout_s=drain_timeout_s)
         self.inference = app
         self.applier = applier
         self.drain_timeout_s = drain_timeout_s
-        self._draining: asyncio.Task[None] | None = None
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._draining is not None:  # a second signal: stop now
-            super().handle_exit(sig, frame)
-            return
-        loop = asyncio.get_event_loop()
-        self._draining = loop.create_task(self._drain())
-
-    async def _drain(self) -> None:
+    async def before_close(self) -> None:
         self.inference.ready = False
         if self.applier is not None:
             self.applier.closing = True  # no variant is loaded or switched to while draining
@@ -330,10 +320,6 @@ class DrainingServer(uvicorn.Server):
             log.info("drained: every queued request was answered")
         except asyncio.TimeoutError:
             log.warning("drain timed out after %.0f s", self.drain_timeout_s)
-        # Linger a moment, still answering 503 `draining` with `Connection: close`: a client whose keep-alive
-        # connection is idle now would otherwise send into a socket being closed and never get an answer.
-        await asyncio.sleep(DRAIN_LINGER_S)
-        self.should_exit = True
 
 
 def serve(config: AgentConfig, *, registry: ModelRegistry | None = None, log_level: str = "info") -> None:
