@@ -26,7 +26,7 @@ class ComputeProfile:
     """Predicted seconds of compute per batch size: piecewise linear between measured sizes, EWMA-refined."""
 
     def __init__(self, seconds_by_batch_size: Mapping[int, float], *, alpha: float = 0.2) -> None:
-        """Args: seconds_by_batch_size: warm-up medians (at least one); alpha: weight of each new observation."""
+        """Args: seconds_by_batch_size: warm-up measurements (at least one); alpha: weight of each new observation."""
         if not seconds_by_batch_size:
             raise ValueError("a compute profile needs at least one measured batch size")
         if not 0.0 < alpha <= 1.0:

@@ -54,6 +54,9 @@ class SchedulerConfig:
     merge: bool = True  # False: one request per batch (a model without dynamic batching, as in Triton)
     wait_gain_alpha: float = 0.2  # EWMA weight of the arrival rate measured while waiting
     probe_every: int = 200  # re-measure the arrival rate with one wait after this many dispatches without
+    # An idle model whose compute estimate has met no real batch for this long admits the next request it would
+    # refuse `deadline_unmeetable`, to check the estimate: one that only refuses is never corrected (0: never).
+    recheck_after_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -62,6 +65,8 @@ class SchedulerConfig:
             raise ValueError(f"default_level must be within 1..{len(self.levels)}")
         if self.instances < 1:
             raise ValueError("instances must be >= 1")
+        if self.recheck_after_s < 0:
+            raise ValueError("recheck_after_s must be >= 0")
 
 
 @dataclass(eq=False)
@@ -130,6 +135,7 @@ class Scheduler:
         self._waiting_seen = 0
         self._last_arrival = 0.0
         self._since_probe = 0
+        self._checked_at: float | None = None  # when the estimate last met a real batch (or a check was let in)
 
     # ---- admission ---------------------------------------------------------------------------
 
@@ -178,7 +184,7 @@ class Scheduler:
             )
         if request.deadline is not None and level.policy.timeout_action == "REJECT":
             predicted = self.predict_completion(request.level, request.rows, now)
-            if now + predicted > request.deadline:
+            if now + predicted > request.deadline and not self._recheck(now):
                 budget_ms = (request.deadline - now) * 1e3
                 return Rejection(
                     "deadline_unmeetable",
@@ -194,6 +200,19 @@ class Scheduler:
             self._waiting_seen += 1
             self._last_arrival = now
         return None
+
+    def _recheck(self, now: float) -> bool:
+        """Let one request through to check the estimate when the model is idle and its estimate is stale.
+
+        The estimate is refined only by batches that run; a warm-up taken on a busy machine, or a slow spell
+        that has passed, would otherwise refuse every request for ever, since nothing refused is measured. When
+        idle, nobody waits behind the check: at worst one answer is late."""
+        if self.config.recheck_after_s <= 0 or not self.idle:
+            return False
+        if self._checked_at is not None and now - self._checked_at < self.config.recheck_after_s:
+            return False
+        self._checked_at = now
+        return True
 
     @property
     def utilisation(self) -> float:
@@ -226,7 +245,8 @@ class Scheduler:
         return Step(tuple(dispatch), tuple(expired), wake_at)
 
     def complete(self, batch_id: int, now: float) -> Batch:
-        """A batch finished (well or not): its instance is free again."""
+        """A batch finished (well or not): its instance is free again, and its compute time was measured."""
+        self._checked_at = now
         return self._running.pop(batch_id)
 
     def _expire(self, now: float) -> list[Pending]:

@@ -121,6 +121,49 @@ def test_admission_refuses_a_deadline_it_cannot_meet_at_arrival() -> None:
     assert s.admit(req(level=1, deadline=0.010), 0.0) is None
 
 
+def test_a_stale_estimate_that_refuses_everything_is_checked_once_idle_and_corrected() -> None:
+    # The warm-up was taken on a busy machine: 80 ms predicted, while the model really takes 3 ms. Every request
+    # has a 50 ms deadline, so without a check nothing would ever run and the estimate would never be corrected.
+    from edge_agent.runtime.profile import ComputeProfile
+
+    profile = ComputeProfile({1: 0.080}, alpha=0.2)
+    s = Scheduler(SchedulerConfig(max_batch_size=1, recheck_after_s=1.0), profile)
+    now = 0.0
+    first = req(1, now, deadline=now + 0.050)
+    assert s.admit(first, now) is None  # idle and never checked: this one is let through to check the estimate
+    assert s.admit(req(1, now, deadline=now + 0.050), now).reason == "deadline_unmeetable"  # type: ignore[union-attr]
+    batch = s.step(now).dispatch[0]
+    now += 0.003
+    s.complete(batch.id, now)
+    profile.observe(1, 0.003)  # what the worker does with the measured batch
+    # Checked just now: the next refusals stand until the model has been idle and unchecked for recheck_after_s.
+    assert s.admit(req(1, now, deadline=now + 0.050), now).reason == "deadline_unmeetable"  # type: ignore[union-attr]
+    admitted = 1
+    for _ in range(10):  # a request every 1.1 s: each check takes a fifth of the gap to the real 3 ms off
+        now += 1.1
+        if s.predict_completion(1, 1, now) <= 0.050:
+            break
+        assert s.admit(req(1, now, deadline=now + 0.050), now) is None
+        admitted += 1
+        batch = s.step(now).dispatch[0]
+        now += 0.003
+        s.complete(batch.id, now)
+        profile.observe(1, 0.003)
+    assert profile.predict(1) < 0.050 and admitted == 3  # 80 -> 64.6 -> 52.3 -> 42.4 ms: admitted on merit again
+    assert s.admit(req(1, now, deadline=now + 0.050), now) is None
+
+
+def test_no_check_while_busy_or_when_turned_off() -> None:
+    s = make(max_batch_size=4, preferred_batch_sizes=())
+    for _ in range(12):  # not idle: the refusal is about the queue, which is measured, not about a stale estimate
+        assert s.admit(req(), 0.0) is None
+    assert s.admit(req(deadline=0.010), 5.0).reason == "deadline_unmeetable"  # type: ignore[union-attr]
+    off = make(recheck_after_s=0.0)
+    assert off.admit(req(deadline=0.001), 0.0).reason == "deadline_unmeetable"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="recheck_after_s"):
+        SchedulerConfig(recheck_after_s=-1.0)
+
+
 def test_queue_full_per_level_and_overall() -> None:
     s = make(levels=(LevelPolicy(), LevelPolicy(max_queue_size=2), LevelPolicy()), max_queued_requests=5)
     assert s.admit(req(2), 0.0) is None and s.admit(req(2), 0.0) is None
