@@ -2,7 +2,8 @@
 cloud backend, behind a local circuit breaker and a cap on requests in flight.
 
 The body goes unchanged (JSON or binary tensors) to the same path on the gateway, with the agent's token and the
-request's remaining deadline (`Spillway-Timeout-Us`), and the attempt itself is bounded by that deadline. Any
+request's remaining deadline less a margin (`Spillway-Timeout-Us`), and the attempt itself is bounded by that deadline
+and a grace for an answer on its way back (LATE_GRACE_S). Any
 answer but a 200 is a failure the caller turns into its local fallback; so is an open breaker or a full cap,
 without a network round trip. aiohttp is imported when the first request overflows.
 """
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
 # Refusals that say the cloud is busy right now, not broken: they do not count against it in the breaker.
 BUSY = frozenset({"deadline_unmeetable", "queue_full", "no_capacity", "shed", "timeout", "deadline_exceeded"})
 MARGIN_S, MARGIN_SHARE = 0.020, 0.2  # of the deadline, kept back from the gateway's share (at most 20 ms)
+# The gateway answers by the deadline less the margin, but on a busy machine (either process waiting for a core) its
+# answer can still land after the deadline: it is taken for this long after it. Only silence beyond is the gateway's
+# failure in the breaker; counting a late 504 as one opened the breaker under CPU contention with the gateway well.
+LATE_GRACE_S = 0.1
 # Headers of the gateway's answer that the agent passes on to its client.
 _PASSED_ON = ("content-type", "inference-header-content-length", "spillway-backend", "spillway-attempts")
 
@@ -105,7 +110,7 @@ class Forwarder:
         started = self._clock()
         try:
             async with self._session_now().post(
-                self.gateway + path, data=body, headers=sent, timeout=aiohttp.ClientTimeout(total=budget)
+                self.gateway + path, data=body, headers=sent, timeout=aiohttp.ClientTimeout(total=budget + LATE_GRACE_S)
             ) as response:
                 payload = await response.read()
                 elapsed = self._clock() - started
@@ -124,7 +129,8 @@ class Forwarder:
                                   retry_after_s=retry)  # fmt: skip
         except asyncio.TimeoutError:
             self.breaker.record(False, self._clock() - started)
-            return self._fail("gateway_timeout", f"the gateway did not answer within {budget * 1e3:.0f} ms")
+            waited_ms = (budget + LATE_GRACE_S) * 1e3
+            return self._fail("gateway_timeout", f"the gateway did not answer within {waited_ms:.0f} ms")
         except aiohttp.ClientError as exc:
             self.breaker.record(False, self._clock() - started)
             return self._fail("gateway_unreachable", f"the gateway could not be reached: {exc}")
