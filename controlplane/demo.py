@@ -181,17 +181,20 @@ def control_loop_story(story: Any, rule: dict[str, Any]) -> None:
 
 def overflow_story(story: Any) -> None:
     """The overflow story (controlplane/overflow_story.py) beside the running control plane: outcome mix per phase."""
-    from controlplane.overflow_story import DEADLINE_US, OverflowStory, format_phases, small_repository, standard_phases
+    from controlplane.overflow_story import OverflowStory, format_phases, small_repository, standard_phases
 
     small = small_repository(story.root / "models-slow")
     overflow = OverflowStory(story, models=small, edge_port=_free_port(), cloud_ports=[_free_port()])
     overflow.start()
-    capacity = overflow.capacity()
+    capacity = overflow.calibrate()
     _say(f"Overflow: a second edge agent ({overflow.edge_url}) serving a slow mlp (about 20 ms a request, one")
     _say(f"at a time, one thread) answers about {capacity:.0f} requests/s itself. A cloud backend of the same kind")
     _say(f"(a Spillway agent in cloud role, {overflow.clouds[0].url}) sits behind the control plane's gateway.")
-    _say(f"Open-loop load, 20 % priority 1, each request with a {DEADLINE_US // 1000} ms deadline; what the device")
-    _say("would not answer in time overflows:")
+    _say(
+        f"Open-loop load, 20 % priority 1, each request with a {overflow.deadline_us // 1000} ms deadline (five service"
+    )
+    _say("times of this machine as measured now, 100 ms at least); what the device would not answer in time overflows,")
+    _say("priority 2 first:")
 
     def announce(index: int, phase: Any) -> None:
         _say(f"  phase {index + 1}: {phase.name}, {phase.rate:.0f} requests/s for {phase.seconds:.0f} s")

@@ -26,8 +26,9 @@ def test_overflow_story_every_request_answered_once_high_priorities_protected(tm
         base.start_control_plane()
         story = OverflowStory(base, models=models, edge_port=free_port(), cloud_ports=[free_port(), free_port()])
         story.start()
-        capacity = story.capacity(seconds=1.5)
-        assert capacity > 20, f"the small agent answered only {capacity:.0f} requests/s"
+        # Measured on the spot: the phases offer multiples of it, and the deadline is five service times of it.
+        capacity = story.calibrate(seconds=1.5)
+        assert capacity > 0, "the small agent answered nothing in its capacity probe"
         probed = story.edge_outcomes()
         one, two = story.clouds
 

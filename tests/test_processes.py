@@ -195,14 +195,19 @@ def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:
     header = re.search(r"^\| phase \| rps \| sent \| (.+) \| lost \|", out.stdout, re.MULTILINE)
     assert header, out.stdout
     columns = ["sent", *[c.strip() for c in header.group(1).split("|")], "lost"]
-    table = {}
+    table, local_share = {}, {}
     for name in ("normal (0.5x)", "burst (3x)", "cloud down (3x)", "cloud back (3x)", "calm (0.5x)"):
-        row = re.search(rf"^\| {re.escape(name)} \| \d+ \| (.+?) \| \d+% \|", out.stdout, re.MULTILINE)
+        row = re.search(rf"^\| {re.escape(name)} \| \d+ \| (.+?) \| \d+% \| (\d+)% \| (\d+)% \|", out.stdout,
+                        re.MULTILINE)  # fmt: skip
         assert row, out.stdout
         table[name] = dict(zip(columns, (int(v) for v in row.group(1).split(" | ")), strict=True))
+        local_share[name] = (int(row.group(2)), int(row.group(3)))  # % of priority 1 and 2 served locally
     assert all(row["lost"] == 0 for row in table.values()), table
     assert all(sum(v for k, v in row.items() if k not in ("sent", "lost")) == row["sent"] for row in table.values())
     assert table["burst (3x)"].get("overflow", 0) > 0, table
     down = table["cloud down (3x)"]
     assert down.get("fallback_cache", 0) + down.get("queued_async", 0) > 0, table
     assert table["normal (0.5x)"]["local"] >= 0.9 * table["normal (0.5x)"]["sent"], table
+    assert local_share["burst (3x)"][0] > local_share["burst (3x)"][1], local_share  # priority 1 stays local
+    assert table["cloud back (3x)"].get("overflow", 0) > 0, table  # the cloud is used again once it is back
+    assert table["calm (0.5x)"]["local"] >= 0.9 * table["calm (0.5x)"]["sent"], table
