@@ -30,6 +30,7 @@ returns succeeds. Reads (get, counts) never write, so a full disk does not keep 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import secrets
@@ -127,6 +128,28 @@ def _storage_errors(path: Path) -> Iterator[None]:
         raise (StoreFull if full else StoreUnavailable)(f"the job store {path}: {exc}") from exc
 
 
+@contextmanager
+def _transaction(db: sqlite3.Connection, path: Path) -> Iterator[sqlite3.Connection]:
+    """One BEGIN IMMEDIATE ... COMMIT on `db`, rolled back when the block (or the commit) raises."""
+    with _storage_errors(path):
+        _rollback(db)  # a transaction a failed rollback left open would refuse every BEGIN after it
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException:
+            _rollback(db)
+            raise
+
+
+def _rollback(db: sqlite3.Connection) -> None:
+    # SQLite rolls some failures back by itself (SQLITE_FULL at COMMIT): then there is nothing to roll back, and a
+    # ROLLBACK would raise over the error that matters.
+    if db.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            db.execute("ROLLBACK")
+
+
 @dataclass(frozen=True)
 class Job:
     """One accepted request and what became of it."""
@@ -184,15 +207,15 @@ class JobStore:
         """Open or create the store, and queue again the jobs a previous process left running.
 
         Args:
-            path: the database file; its folder must exist.
+            path: the database file; its folder is made when missing.
             max_jobs: at most this many jobs queued or running; `submit` raises QueueFull beyond it.
             ttl_s: a job not started within ttl_s of its submission expires; an ended job is deleted ttl_s after.
             max_attempts: the default for `fail(retry=True)`, and a job left running by as many crashed processes
                 is failed at open rather than queued again (a request that kills the process must not loop).
             clock: seconds since the epoch (stored on disk, so it must survive a restart).
 
-        Raises:
-            StoreUnavailable: the database cannot be opened or created (StoreFull: the disk is full).
+        A database the disk refuses to open or create (full, say) does not stop the agent: `opened` is False, and
+        every call tries to open it again first, raising StoreUnavailable (StoreFull) while it cannot.
         """
         if max_jobs < 1:
             raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
@@ -206,14 +229,34 @@ class JobStore:
         self.max_attempts = max_attempts
         self._clock = clock
         self._lock = threading.Lock()
+        self._db_or_none: sqlite3.Connection | None = None
+        self._closed = False
+        with self._lock, contextlib.suppress(StoreUnavailable):
+            self._open()
+
+    @property
+    def opened(self) -> bool:
+        return self._db_or_none is not None
+
+    def _open(self) -> sqlite3.Connection:
+        """Connect, create the schema, queue again what a previous process left running (the lock is held)."""
+        if self._db_or_none is not None:
+            return self._db_or_none
+        if self._closed:
+            raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise (StoreFull if full else StoreUnavailable)(f"the job store {self.path}: {exc}") from exc
         # isolation_level=None: no implicit transactions; each write below is one explicit BEGIN IMMEDIATE.
         with _storage_errors(self.path):
-            self._db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
+            db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
         try:
             with _storage_errors(self.path):
-                self._db.execute("PRAGMA journal_mode=WAL")
-                self._db.execute("PRAGMA synchronous=FULL")  # WAL + NORMAL may lose the last commits on power loss
-            with self._write() as db:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=FULL")  # WAL + NORMAL may lose the last commits on power loss
+            with _transaction(db, self.path):
                 for statement in filter(str.strip, _SCHEMA.split(";")):  # not executescript: it commits
                     db.execute(statement)
                 now = self._clock()
@@ -221,12 +264,14 @@ class JobStore:
                     "UPDATE jobs SET status = ?, finished_at = ?, request = NULL, "
                     "error = 'interrupted ' || attempts || ' times: the agent stopped while running it' "
                     "WHERE status = ? AND attempts >= ?",
-                    (FAILED, now, RUNNING, max_attempts),
+                    (FAILED, now, RUNNING, self.max_attempts),
                 )
                 db.execute("UPDATE jobs SET status = ?, started_at = NULL WHERE status = ?", (QUEUED, RUNNING))
         except BaseException:
-            self._db.close()
+            db.close()
             raise
+        self._db_or_none = db
+        return db
 
     def submit(self, model: str, version: str | None, request: bytes, header_length: int | None) -> Job:
         """Accept a request; durable on disk when this returns. The Job carries no request bytes.
@@ -339,7 +384,9 @@ class JobStore:
     def close(self) -> None:
         """Close the database; calling it again does nothing."""
         with self._lock:
-            self._db.close()
+            self._closed = True
+            if self._db_or_none is not None:
+                self._db_or_none.close()
 
     def __enter__(self) -> JobStore:
         return self
@@ -351,28 +398,16 @@ class JobStore:
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One transaction, holding the lock; committed when the block ends, rolled back when it (or the commit)
         raises, so that a failed write leaves nothing half done and the next one starts clean."""
-        with self._lock, _storage_errors(self.path):
-            self._rollback()  # a transaction a failed rollback left open would refuse every BEGIN after it
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
+        with self._lock, _transaction(self._open(), self.path) as db:
+            yield db
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
         """Reads with the lock held, outside any write transaction (each statement sees one committed state)."""
-        with self._lock, _storage_errors(self.path):
-            yield self._db
-
-    def _rollback(self) -> None:
-        # SQLite rolls some failures back by itself (SQLITE_FULL at COMMIT): then there is nothing to roll back,
-        # and a ROLLBACK would raise over the error that matters.
-        if self._db.in_transaction:
-            with contextlib.suppress(sqlite3.Error):
-                self._db.execute("ROLLBACK")
+        with self._lock:
+            db = self._open()
+            with _storage_errors(self.path):
+                yield db
 
     def _update_running(self, job_id: str, assignments: str, params: tuple[Any, ...]) -> None:
         with self._write() as db:

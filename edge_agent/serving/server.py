@@ -152,7 +152,7 @@ class Agent:
             "poll": None if self.poller is None else self.poller.json(),
             "fallback_cache": self.responses.json(),
             "overflow": None if self.forwarder is None else self.forwarder.json(),
-            "async_jobs": None if self.jobs is None else {**self.jobs.json(), "counts": self.jobs.store.counts()},
+            "async_jobs": None if self.jobs is None else self._jobs_status(self.jobs),
             "outcomes": [
                 {"model": m.config.name, "version": m.version, "priority": priority, "outcome": outcome, "count": count}
                 for m in self.registry.all()
@@ -160,6 +160,17 @@ class Agent:
             ],
             "telemetry": None if self.telemetry is None else self.telemetry.json(),
         }
+
+    @staticmethod
+    def _jobs_status(jobs: AsyncQueue) -> dict[str, Any]:
+        """The async queue's state; a store the disk refuses to read leaves the counts out, not the whole status."""
+        from edge_agent.overflow.jobs import StoreUnavailable
+
+        try:
+            counts: dict[str, int] | None = jobs.store.counts()
+        except StoreUnavailable:
+            counts = None
+        return {**jobs.json(), "opened": jobs.store.opened, "counts": counts}
 
     async def start(self) -> None:
         """Before the first request: the cached policy (when a control plane is configured), then the poller."""
@@ -272,9 +283,11 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         from edge_agent.overflow.jobs import JobStore
         from edge_agent.overflow.queue import AsyncQueue
 
-        config.state_dir.mkdir(parents=True, exist_ok=True)
         store = JobStore(config.state_dir / f"jobs-{_safe(agent_id)}.sqlite", max_jobs=config.async_jobs.max_jobs,
                          ttl_s=config.async_jobs.ttl_s)  # fmt: skip
+        if not store.opened:  # a full disk, say: serve without it, try again on each use (jobs.py)
+            log.warning("the async job store %s cannot be opened now; requests that reach it are refused "
+                        "(async_storage_full or async_storage_unavailable) until it can", store.path)  # fmt: skip
         jobs = AsyncQueue(store, registry, config.async_jobs.models, drain_below=config.async_jobs.drain_below,
                           allow_non_finite=config.allow_non_finite)  # fmt: skip
     app = InferenceApp(

@@ -158,7 +158,8 @@ def test_a_job_whose_answer_cannot_be_stored_is_not_left_running_and_runs_again_
         assert queue._task is not None and not queue._task.done()  # the loop outlives the disk
         seen["still_running_on_disk"] = status_of(job.id)
         disk.free()
-        await until(lambda: status_of(job.id) == "done", "done")
+        # Done on disk first (the store's thread), then counted by the queue's coroutine: wait for both.
+        await until(lambda: status_of(job.id) == "done" and queue.ran == 1, "done")
         seen["job"] = store.get(job.id)
         seen["queue"] = queue.json()
         await queue.stop()
@@ -179,3 +180,35 @@ def test_a_job_whose_answer_cannot_be_stored_is_not_left_running_and_runs_again_
     assert sum("cannot update its jobs" in line for line in lines) == 1, lines
     assert sum("updates its jobs again" in line for line in lines) == 1, lines
     assert not any(r.exc_info for r in caplog.records), "no traceback: the disk is not a bug"
+
+
+def test_an_agent_whose_job_store_cannot_be_created_on_a_full_disk_starts_and_serves_and_queues_once_space_returns(
+    demo_repo: Path, tmp_path: Path, disk: SmallDisk
+) -> None:
+    disk.fill()  # before the agent starts: its job store cannot even be created
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    agent = start_agent(
+        demo_repo, tmp_path, agent_id="edge-born-full", state_dir=str(disk.root / "state"), fallback_cache_bytes=0,
+        intra_op_threads=1, agent_token="t", async_jobs={"models": ["mlp"]},
+        overflow={"enabled": True, "gateway": nowhere, "at_or_below": 2},
+    )  # fmt: skip
+    try:
+        served = httpx.post(f"{agent.url}/v2/models/mlp/infer", json=infer_body(X, priority=1), timeout=30)
+        assert served.status_code == 200 and served.headers["spillway-outcome"] == "local"
+        refused = httpx.post(f"{agent.url}/v2/models/mlp/infer", json=infer_body(X, priority=2), timeout=30)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["spillway-reason"] == "async_storage_full" and "retry-after" in refused.headers
+        status = httpx.get(f"{agent.url}/v2/spillway/status", timeout=10)
+        assert status.status_code == 200 and status.json()["async_jobs"]["opened"] is False
+        assert status.json()["async_jobs"]["counts"] is None
+
+        disk.free()
+        queued = httpx.post(f"{agent.url}/v2/models/mlp/infer", json=infer_body(X, priority=2), timeout=30)
+        assert queued.status_code == 202, queued.text
+        assert _job_when_ended(agent, queued.json()["id"])["status"] == "done"
+        assert httpx.get(f"{agent.url}/v2/spillway/status", timeout=10).json()["async_jobs"]["opened"] is True
+        assert _outcomes(agent) == {(1, "local"): 1, (2, "rejected"): 1, (2, "queued_async"): 1}
+    finally:
+        stop_agent(agent)
+    log = agent.log.read_text()
+    assert "cannot be opened now" in log and "Traceback" not in log, log
