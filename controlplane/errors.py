@@ -16,6 +16,7 @@ SpillwayError
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -43,6 +44,18 @@ class ValidationFailed(SpillwayError):
     @classmethod
     def field(cls, field: str, message: str) -> ValidationFailed:
         return cls(f"{field}: {message}", details=[{"field": field, "message": message}])
+
+    @classmethod
+    def of(
+        cls, errors: Iterable[Mapping[str, Any]], *, lead: str = "", under: tuple[str, ...] = ()
+    ) -> ValidationFailed:
+        """pydantic's errors, each named by its field (`under` + its location, e.g. `body.window`), the first one in
+        the message after `lead`."""
+        details = [{"field": ".".join(map(str, (*under, *err["loc"]))) or "body", "message": err["msg"]}
+                   for err in errors]  # fmt: skip
+        first = details[0] if details else {"field": "body", "message": "invalid"}
+        more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
+        return cls(f"{lead}{first['field']}: {first['message']}{more}", details=details)
 
 
 class DuplicateName(ValidationFailed):

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controlplane.api.methods import allowed_methods
-from controlplane.errors import SpillwayError
+from controlplane.errors import SpillwayError, ValidationFailed
 
 log = logging.getLogger("spillway.controlplane")
 
@@ -32,10 +32,6 @@ def error_response(
     return JSONResponse({"error": code, "message": message, "details": details}, status_code=status, headers=headers)
 
 
-def _field(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(part) for part in loc) or "body"
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SpillwayError)
     async def _domain(_: Request, exc: SpillwayError) -> JSONResponse:
@@ -47,10 +43,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        details = [{"field": _field(err["loc"]), "message": err["msg"]} for err in exc.errors()]
-        first = details[0] if details else {"field": "body", "message": "invalid"}
-        more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
-        return error_response(422, "validation_error", f"{first['field']}: {first['message']}{more}", details)
+        failed = ValidationFailed.of(exc.errors())
+        return error_response(422, failed.code, failed.message, failed.details)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:

@@ -257,11 +257,8 @@ def _validate_as(model: type[BaseModel], data: dict[str, Any]) -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        details = [{"field": ".".join(("body", *map(str, err["loc"]))), "message": err["msg"]} for err in exc.errors()]
-        first = details[0]
-        more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
-        raise ValidationFailed(
-            f"the resource would be invalid after this change: {first['field']}: {first['message']}{more}", details
+        raise ValidationFailed.of(
+            exc.errors(), lead="the resource would be invalid after this change: ", under=("body",)
         ) from exc
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from edge_agent.failures import FailureStreak
 from edge_agent.overflow.jobs import Job, JobNotRunning, JobStore, StoreUnavailable
 from edge_agent.scheduling.worker import ExecutionFailed, Refused
 from edge_agent.serving.tensors import RequestedOutput, TensorError, decode_request, encode_response, validate_inputs
@@ -35,30 +36,6 @@ log = logging.getLogger("spillway.agent.jobs")
 EXPIRE_EVERY_S = 10.0
 STORAGE_RETRY_S = 1.0  # while the store refuses writes, the drain loop tries it again this often
 T = TypeVar("T")
-
-
-class WriteStreak:
-    """Whether one kind of write to the store works; a streak of failures is logged once, and its end once."""
-
-    def __init__(self, failing: str, working: str) -> None:
-        self._failing = failing
-        self._working = working
-        self.failures = 0  # consecutive
-        self.last_error: str | None = None
-
-    def failed(self, exc: StoreUnavailable) -> None:
-        self.failures += 1
-        self.last_error = str(exc)
-        if self.failures == 1:
-            log.warning("%s: %s (logged again once it works)", self._failing, exc)
-
-    def worked(self) -> None:
-        if self.failures:
-            log.info("%s after %d failed write(s)", self._working, self.failures)
-        self.failures = 0
-
-    def json(self) -> dict[str, Any]:
-        return {"ok": self.failures == 0, "consecutive_failures": self.failures, "last_error": self.last_error}
 
 
 @dataclass(frozen=True)
@@ -93,10 +70,17 @@ class AsyncQueue:
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._unsettled: dict[str, _End] = {}  # job id -> how its run ended, which the disk refused to record
-        self.accepting = WriteStreak("the async queue cannot store new jobs; the requests it would take are refused",
-                                     "the async queue stores new jobs again")  # fmt: skip
-        self.updating = WriteStreak("the async queue cannot update its jobs; it runs none until it can",
-                                    "the async queue updates its jobs again")  # fmt: skip
+        self.accepting = FailureStreak(
+            log,
+            "the async queue cannot store new jobs; the requests it would take are refused: {error} "
+            "(logged again once it works)",
+            "the async queue stores new jobs again after {failures} failed write(s)",
+        )
+        self.updating = FailureStreak(
+            log,
+            "the async queue cannot update its jobs; it runs none until it can: {error} (logged again once it works)",
+            "the async queue updates its jobs again after {failures} failed write(s)",
+        )
         self.ran = 0
         self.failed = 0
 
@@ -291,9 +275,15 @@ class AsyncQueue:
         return answer
 
     def json(self) -> dict[str, Any]:
+        """The queue's state; a store the disk refuses to read leaves the counts out (None), not the whole status."""
+        try:
+            counts: dict[str, int] | None = self.store.counts()
+        except StoreUnavailable:
+            counts = None
         return {"models": sorted(self.models), "drain_below": self.drain_below, "running": len(self._running),
                 "ran": self.ran, "failed": self.failed, "unrecorded_ends": len(self._unsettled),
-                "store": {"accepting": self.accepting.json(), "updating": self.updating.json()}}  # fmt: skip
+                "store": {"accepting": self.accepting.json(), "updating": self.updating.json()},
+                "opened": self.store.opened, "counts": counts}  # fmt: skip
 
 
 class _Unservable(Exception):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from edge_agent.failures import FailureStreak
 from edge_agent.policy.cache import CachedPolicy, CacheUnreadable, CacheUnwritable, PolicyCache
 from edge_agent.policy.document import PolicyDocument
 from edge_agent.policy.plan import ModelPlan, Plan, PolicyRefused, ServedModel, Source, build_plan, local_plan
@@ -97,8 +98,12 @@ class PolicyApplier:
         self.cached_version: int | None = None
         self._cache_behind: CachedPolicy | None = None  # the latest document from the control plane, not yet written
         self._cache_lock = asyncio.Lock()  # one write at a time, so an older document never lands after a newer one
-        self.cache_failures = 0  # consecutive
-        self.cache_error: str | None = None
+        self.cache_writes = FailureStreak(
+            log,
+            "could not cache policy version {version}: {error}; the cache holds {held} and is written on the next "
+            "poll tick that can (logged again once it is)",
+            "cached policy version {version} after {failures} failed write(s)",
+        )
 
     # ---- the hot path ------------------------------------------------------------------------
 
@@ -153,18 +158,10 @@ class PolicyApplier:
             try:
                 await asyncio.to_thread(self.cache.store, behind.document, behind.etag)
             except CacheUnwritable as exc:
-                self.cache_failures += 1
-                self.cache_error = str(exc)
-                if self.cache_failures == 1:
-                    held = "nothing" if self.cached_version is None else f"version {self.cached_version}"
-                    log.warning("could not cache policy version %d: %s; the cache holds %s and is written on the next "
-                                "poll tick that can (logged again once it is)", behind.document.version, exc,
-                                held)  # fmt: skip
+                held = "nothing" if self.cached_version is None else f"version {self.cached_version}"
+                self.cache_writes.failed(exc, version=behind.document.version, held=held)
                 return False
-            if self.cache_failures:
-                log.info("cached policy version %d after %d failed write(s)", behind.document.version,
-                         self.cache_failures)  # fmt: skip
-            self.cache_failures = 0
+            self.cache_writes.worked(version=behind.document.version)
             self.cached_version = behind.document.version
             if self._cache_behind is behind:
                 self._cache_behind = None
@@ -331,8 +328,8 @@ class PolicyApplier:
             "version": self.cached_version,
             "behind": behind is not None,
             "pending_version": None if behind is None else behind.document.version,
-            "consecutive_failures": self.cache_failures,
-            "last_error": self.cache_error,
+            "consecutive_failures": self.cache_writes.failures,
+            "last_error": self.cache_writes.last_error,
         }
 
 

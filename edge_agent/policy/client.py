@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 from pydantic import ValidationError
 
+from edge_agent.failures import FailureStreak
 from edge_agent.policy.apply import PolicyApplier, isoformat_utc
 from edge_agent.policy.document import parse
 
@@ -68,11 +69,28 @@ class PolicyPoller:
         self._task: asyncio.Task[None] | None = None
         self._refused: tuple[str, float] | None = None  # (ETag, when) of the last refused document
         self.polls = 0
-        self.failures = 0  # consecutive
+        self.streak = FailureStreak(
+            log,
+            "policy poll failed: {error}; keeping the active policy and retrying with backoff (logged again once "
+            "polls work)",
+            "policy polls work again after {failures} failed",
+        )
         self.last_poll_at: float | None = None
         self.last_success_at: float | None = None
-        self.last_error: str | None = None
         self.last_error_at: float | None = None
+
+    @property
+    def failures(self) -> int:
+        """Failed polls in a row (the backoff doubles with each)."""
+        return self.streak.failures
+
+    @failures.setter
+    def failures(self, value: int) -> None:
+        self.streak.failures = value
+
+    @property
+    def last_error(self) -> str | None:
+        return self.streak.last_error
 
     # ---- one poll ----------------------------------------------------------------------------
 
@@ -143,16 +161,11 @@ class PolicyPoller:
             raise PollFailed(f"cannot reach {self.url}: {type(exc).__name__}: {exc}") from None
 
     def _failed(self, message: str) -> None:
-        self.failures += 1
-        self.last_error, self.last_error_at = message, self._clock()
-        if self.failures == 1:
-            log.warning("policy poll failed: %s; keeping the active policy and retrying with backoff "
-                        "(logged again once polls work)", message)  # fmt: skip
+        self.streak.failed(message)
+        self.last_error_at = self._clock()
 
     def _succeeded(self) -> None:
-        if self.failures:
-            log.info("policy polls work again after %d failed", self.failures)
-        self.failures = 0
+        self.streak.worked()
         self.last_success_at = self._clock()
 
     def _remember_refused(self, etag: str | None) -> None:

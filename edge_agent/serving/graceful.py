@@ -41,12 +41,9 @@ class GracefulHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.closing = False
-        self._partial = False  # a request has begun whose headers are not complete: not between requests
-        self.quiet_since = time.monotonic()
-
-    def data_received(self, data: bytes) -> None:
-        self.quiet_since = time.monotonic()
-        super().data_received(data)
+        # A request has begun (its first byte parsed) whose headers are not complete: not between requests.
+        self._partial = False
+        self.quiet_since = time.monotonic()  # since the last answer: any byte after it begins a request
 
     def on_message_begin(self) -> None:
         self._partial = True
@@ -140,9 +137,7 @@ class GracefulServer(uvicorn.Server):
             while True:
                 try:
                     conn, _ = sock.accept()
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError:
+                except OSError:  # BlockingIOError: nothing (more) is queued
                     break
                 conn.setblocking(False)
                 with contextlib.suppress(OSError):

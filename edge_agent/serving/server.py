@@ -152,7 +152,7 @@ class Agent:
             "poll": None if self.poller is None else self.poller.json(),
             "fallback_cache": self.responses.json(),
             "overflow": None if self.forwarder is None else self.forwarder.json(),
-            "async_jobs": None if self.jobs is None else self._jobs_status(self.jobs),
+            "async_jobs": None if self.jobs is None else self.jobs.json(),
             "outcomes": [
                 {"model": m.config.name, "version": m.version, "priority": priority, "outcome": outcome, "count": count}
                 for m in self.registry.all()
@@ -160,17 +160,6 @@ class Agent:
             ],
             "telemetry": None if self.telemetry is None else self.telemetry.json(),
         }
-
-    @staticmethod
-    def _jobs_status(jobs: AsyncQueue) -> dict[str, Any]:
-        """The async queue's state; a store the disk refuses to read leaves the counts out, not the whole status."""
-        from edge_agent.overflow.jobs import StoreUnavailable
-
-        try:
-            counts: dict[str, int] | None = jobs.store.counts()
-        except StoreUnavailable:
-            counts = None
-        return {**jobs.json(), "opened": jobs.store.opened, "counts": counts}
 
     async def start(self) -> None:
         """Before the first request: the cached policy (when a control plane is configured), then the poller."""

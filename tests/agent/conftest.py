@@ -33,6 +33,18 @@ class RunningAgent:
         response = httpx.get(f"{self.url}/v2/models/mlp/versions/{version}/stats", timeout=10)
         return dict(response.json()["model_stats"][0])
 
+    def ended_job(self, job_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        """`GET /spillway/v1/jobs/{id}` polled until the job is no longer queued or running."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = httpx.get(f"{self.url}/spillway/v1/jobs/{job_id}", timeout=10)
+            assert job.status_code == 200, job.text
+            body = dict(job.json())
+            if body["status"] not in ("queued", "running"):
+                return body
+            assert time.monotonic() < deadline, f"job {job_id} still {body['status']} after {timeout_s:.0f} s"
+            time.sleep(0.05)
+
 
 def start_agent(repo: Path, workdir: Path, **settings: Any) -> RunningAgent:
     """`spillway agent serve` as its own process (as in production: no GIL shared with the test's clients)."""

@@ -51,18 +51,6 @@ def _outcomes(agent: RunningAgent) -> Counter[tuple[int, str]]:
     return counted
 
 
-def _job_when_ended(agent: RunningAgent, job_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 30
-    while True:
-        job = httpx.get(f"{agent.url}/spillway/v1/jobs/{job_id}", timeout=10)
-        assert job.status_code == 200, job.text
-        body = dict(job.json())
-        if body["status"] not in ("queued", "running"):
-            return body
-        assert time.monotonic() < deadline, f"job {job_id} still {body['status']} after 30 s"
-        time.sleep(0.05)
-
-
 def test_a_full_disk_under_the_async_queue_refuses_with_503_async_storage_full_and_recovers_when_space_returns(
     demo_repo: Path, tmp_path: Path, disk: SmallDisk
 ) -> None:
@@ -83,7 +71,7 @@ def test_a_full_disk_under_the_async_queue_refuses_with_503_async_storage_full_a
         accepted = [ask(2) for _ in range(5)]
         assert [a.status_code for a in accepted] == [202] * 5, accepted[0].text
         jobs = [a.json()["id"] for a in accepted]
-        assert [_job_when_ended(agent, j)["status"] for j in jobs] == ["done"] * 5
+        assert [agent.ended_job(j)["status"] for j in jobs] == ["done"] * 5
 
         disk.fill()
         with ThreadPoolExecutor(8) as pool:  # concurrent, as in the report: 60 requests that fall through
@@ -106,7 +94,7 @@ def test_a_full_disk_under_the_async_queue_refuses_with_503_async_storage_full_a
         disk.free()
         again = ask(2)  # the very next submit after space returns is stored: no restart
         assert again.status_code == 202, again.text
-        assert _job_when_ended(agent, again.json()["id"])["status"] == "done"
+        assert agent.ended_job(again.json()["id"])["status"] == "done"
 
         # Exactly one answer per request, and the agent counted exactly what the client saw.
         assert sum(seen.values()) == 5 + 60 + 1 + 1
@@ -205,7 +193,7 @@ def test_an_agent_whose_job_store_cannot_be_created_on_a_full_disk_starts_and_se
         disk.free()
         queued = httpx.post(f"{agent.url}/v2/models/mlp/infer", json=infer_body(X, priority=2), timeout=30)
         assert queued.status_code == 202, queued.text
-        assert _job_when_ended(agent, queued.json()["id"])["status"] == "done"
+        assert agent.ended_job(queued.json()["id"])["status"] == "done"
         assert httpx.get(f"{agent.url}/v2/spillway/status", timeout=10).json()["async_jobs"]["opened"] is True
         assert _outcomes(agent) == {(1, "local"): 1, (2, "rejected"): 1, (2, "queued_async"): 1}
     finally:

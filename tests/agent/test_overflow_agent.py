@@ -146,7 +146,7 @@ def test_default_outputs_then_the_async_queue_answer_when_nothing_is_cached(demo
         assert accepted.headers["spillway-outcome"] == "queued_async"
         job_id = accepted.json()["id"]
         assert accepted.headers["location"] == f"/spillway/v1/jobs/{job_id}"
-        job = _wait_job(queued, job_id)
+        job = queued.ended_job(job_id)
         assert job["status"] == "done", job
         assert job["response"]["parameters"]["spillway_outcome"] == "queued_async"
         local = infer(queued, 1)
@@ -173,7 +173,7 @@ def test_a_job_accepted_before_a_restart_is_run_after_it(demo_repo: Path, tmp_pa
         assert claimed is not None and claimed.id == job.id
     agent = start_agent(demo_repo, tmp_path, **settings)
     try:
-        finished = _wait_job(agent, job.id)
+        finished = agent.ended_job(job.id)
         assert finished["status"] == "done" and finished["attempts"] == 2
     finally:
         stop_agent(agent)
@@ -213,19 +213,6 @@ def _outcomes(agent: RunningAgent) -> list[dict[str, Any]]:
         key = (item["priority"], item["outcome"])
         merged[key] = merged.get(key, 0) + item["count"]
     return [{"priority": p, "outcome": o, "count": c} for (p, o), c in merged.items()]
-
-
-def _wait_job(agent: RunningAgent, job_id: str) -> dict[str, Any]:
-    import time
-
-    deadline = time.monotonic() + 30
-    while True:
-        job = httpx.get(f"{agent.url}/spillway/v1/jobs/{job_id}", timeout=10)
-        assert job.status_code == 200, job.text
-        body = dict(job.json())
-        if body["status"] not in ("queued", "running") or time.monotonic() > deadline:
-            return body
-        time.sleep(0.1)
 
 
 def test_a_full_async_queue_refuses_with_503_and_says_so(demo_repo: Path, tmp_path: Path) -> None:
