@@ -151,7 +151,7 @@ def bench_repository(root: Path, max_batch: int, model: str = "slow") -> Path:
     """The demo repository with `max_batch_size` set to `max_batch` (preferred sizes above it dropped); with
     model `slow`, version 1 is the slow mlp (`build_slow_mlp`, ~20 ms a request on one thread) instead of the full
     one, so that a device's capacity costs less HTTP work per unit of compute."""
-    from edge_agent.runtime.demo_models import build_demo_repository, build_slow_mlp
+    from spillway.demo.models import build_demo_repository, build_slow_mlp
 
     repo = build_demo_repository(root / "models")
     if model == "slow":
@@ -207,14 +207,14 @@ def agent_config(repo: Path, port: int, workdir: Path, name: str, **extra: Any) 
 def start_system(procs: Processes, workdir: Path, args: argparse.Namespace) -> System:
     import yaml
 
-    from controlplane.story import Story
+    from spillway.demo.story import Story
 
     repo = bench_repository(workdir, args.max_batch, args.model)
     cp_port, edge_port, cloud_port = free_port(), free_port(), free_port()
     story = Story(workdir, port=cp_port, agent_port=edge_port)
     admin = story.prepare()  # a migrated SQLite database and an admin key
     env = {**story.env(), "SPILLWAY_LOG_LEVEL": "warning", "SPILLWAY_CONTROL_LOOP_INTERVAL_S": "0"}
-    cli = [sys.executable, "-m", "controlplane.cli"]
+    cli = [sys.executable, "-m", "spillway.cli"]
     cp = f"http://127.0.0.1:{cp_port}"
     log("starting the control plane, the cloud agent and the edge agent")
     procs.start("controlplane", [*cli, "controlplane", "serve", "--no-migrate"], env)

@@ -1,5 +1,5 @@
 """How fast the control loop reacts: breach onset -> policy applied at the agent, and recovery, with real
-processes on loopback (controlplane/story.py: a control plane, an agent on the demo models, the rule
+processes on loopback (spillway/demo/story.py: a control plane, an agent on the demo models, the rule
 `lite-when-queue-deep`); and what one control-loop cycle costs for 1,000 agents x 10 rules (bench/slo_eval.py).
 
 Each round: 3 s calm (one client), a surge (32 closed-loop clients) until the agent answers from the lite
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.load import free_port
 from bench.slo_eval import run as evaluator_run
-from controlplane.story import INTERVAL_S, RULE, Phase, Story
-from edge_agent.runtime.demo_models import build_demo_repository
+from spillway.demo.models import build_demo_repository
+from spillway.demo.story import INTERVAL_S, RULE, Phase, Story
 
 MARK_BEGIN, MARK_END = "<!-- bench/reaction.py: begin -->", "<!-- bench/reaction.py: end -->"
 

@@ -24,16 +24,17 @@ from sqlalchemy.orm import Session
 
 from controlplane.db.models import Agent, MetricRollup, utcnow
 from controlplane.errors import NotFound, ValidationFailed
+from spillway.contract.names import (
+    BATCH_SIZE,
+    COMPUTE_DURATION,
+    QUEUE_DEPTH,
+    QUEUE_DURATION,
+    REQUEST_DURATION,
+    REQUESTS,
+)
+from spillway.contract.names import DURATIONS as _DURATIONS
+from spillway.contract.names import LOCAL as SERVED
 
-REQUESTS = "spillway.requests"
-REQUEST_DURATION = "spillway.request.duration"
-QUEUE_DURATION = "spillway.queue.duration"
-COMPUTE_DURATION = "spillway.compute.duration"
-BATCH_SIZE = "spillway.batch.size"
-QUEUE_DEPTH = "spillway.queue.depth"
-_DURATIONS = (REQUEST_DURATION, QUEUE_DURATION, COMPUTE_DURATION)
-
-SERVED = "local"
 """Latency, queue and compute times are those of requests the device served itself, as the latency SLI counts
 them: a request refused after waiting (a deadline that passed in the queue) would otherwise read as a slow one."""
 

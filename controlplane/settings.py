@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from edge_agent.telemetry.metrics import DEFAULT_LATENCY_BUCKETS_MS
+from spillway.contract.names import DEFAULT_LATENCY_BUCKETS_MS
 
 
 class Settings(BaseSettings):

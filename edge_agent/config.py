@@ -11,7 +11,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from edge_agent.telemetry.metrics import DEFAULT_LATENCY_BUCKETS_MS, TelemetrySettings
+from edge_agent.telemetry.metrics import TelemetrySettings
+from spillway.contract.names import DEFAULT_LATENCY_BUCKETS_MS
 
 
 class BreakerSettings(BaseModel):

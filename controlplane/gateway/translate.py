@@ -9,7 +9,7 @@ with their bytes after the JSON, in order; the others stay JSON. Everything else
 request and tensor parameters, JSON inputs as they came, and the answer's id, model name, version and
 parameters.
 
-Tensors are read and written by the edge agent's codec (`edge_agent.serving.tensors`), so the gateway agrees
+Tensors are read and written by the edge agent's codec (`spillway.contract.v2`), so the gateway agrees
 with the agent on every datatype. JSON cannot carry BYTES elements that are not UTF-8, nor NaN and Infinity
 (Python's json and Triton read them, MLServer refuses them): a binary input holding either is refused.
 """
@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from edge_agent.runtime.spec import TensorSpec
-from edge_agent.serving.tensors import (
+from spillway.contract.spec import TensorSpec
+from spillway.contract.v2 import (
     V2_TO_NUMPY,
     InferInput,
     RequestedOutput,
@@ -223,7 +223,7 @@ def _codec_lead() -> bytes:
     )
     lead, found, rest = empty.rpartition(b'"outputs":')
     if not (found and rest == b"[]}" and lead.startswith(b"{") and lead.endswith(b",")):
-        raise RuntimeError(f"edge_agent.serving.tensors writes an unexpected response: {empty!r}")
+        raise RuntimeError(f"spillway.contract.v2 writes an unexpected response: {empty!r}")
     return lead
 
 

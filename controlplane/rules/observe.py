@@ -27,9 +27,16 @@ from sqlalchemy.orm import Session
 from controlplane.db.models import MetricRollup
 from controlplane.slo.maths import Counts, burn_rate
 from controlplane.slo.windows import SloWindows
+from spillway.contract.names import (
+    DEVICE_GAUGES,
+    GPU_MEMORY_LIMIT,
+    GPU_MEMORY_USAGE,
+    GPU_UTILIZATION,
+    QUEUE_DEPTH,
+    TEMPERATURE,
+)
 
-GAUGE_METRICS = ("spillway.queue.depth", "hw.gpu.memory.usage", "hw.gpu.memory.limit", "hw.gpu.utilization",
-                 "hw.temperature")  # fmt: skip
+GAUGE_METRICS = (QUEUE_DEPTH, *DEVICE_GAUGES)
 _OPS = {">": np.greater, ">=": np.greater_equal, "<": np.less, "<=": np.less_equal}
 
 
@@ -85,15 +92,15 @@ def read_gauges(session: Session, now: datetime) -> dict[str, AgentGauges]:
         if row.last is None:
             continue
         g, attributes = gauges[agent], row.attributes or {}
-        if row.metric == "spillway.queue.depth":
+        if row.metric == QUEUE_DEPTH:
             g.queue_depth[str(attributes.get("model"))] += row.last
-        elif row.metric == "hw.gpu.memory.usage":
+        elif row.metric == GPU_MEMORY_USAGE:
             g.gpu_memory_used = (g.gpu_memory_used or 0.0) + row.last
-        elif row.metric == "hw.gpu.memory.limit":
+        elif row.metric == GPU_MEMORY_LIMIT:
             g.gpu_memory_limit = (g.gpu_memory_limit or 0.0) + row.last
-        elif row.metric == "hw.gpu.utilization":
+        elif row.metric == GPU_UTILIZATION:
             g.gpu_utilization = max(g.gpu_utilization or 0.0, row.last)
-        elif row.metric == "hw.temperature":
+        elif row.metric == TEMPERATURE:
             g.gpu_temperature_c = max(g.gpu_temperature_c or -273.0, row.last)
     return gauges
 

@@ -1,4 +1,4 @@
-"""Compose the active rules of one agent into its policy document (edge_agent/policy/document.py).
+"""Compose the active rules of one agent into its policy document (spillway/contract/policy.py).
 
 Several rules on one agent compose along the action ladder, mildest first (tune_batching, overflow, switch_variant,
 shed, fallback): each fills its own fields, so different kinds never conflict. Rules of the same kind on the same
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from edge_agent.policy.document import ALL_MODELS, FORMAT, PolicyDocument
+from spillway.contract.policy import ALL_MODELS, FORMAT, PolicyDocument
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-GOOD_OUTCOMES = frozenset({"local", "overflow", "fallback_cache", "fallback_default", "queued_async"})
-"""Outcomes that count as available: the caller got an answer it can use (`rejected` and `error` do not)."""
+from spillway.contract.names import GOOD_OUTCOMES  # available: the caller got an answer it can use
+
+__all__ = ["GOOD_OUTCOMES"]
 
 
 @dataclass(frozen=True)

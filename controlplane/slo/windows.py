@@ -39,10 +39,11 @@ from controlplane.slo.maths import (
     good_under_threshold,
     sli,
 )
+from spillway.contract.names import LOCAL, REQUEST_DURATION, REQUESTS
 
 FINE_MINUTES = 6 * 60  # minute resolution this far back
 REREAD_MINUTES = 1  # minutes before the current one re-read on every refresh (exports may still add to them)
-_METRIC = {"latency": "spillway.request.duration", "availability": "spillway.requests"}
+_METRIC = {"latency": REQUEST_DURATION, "availability": REQUESTS}
 
 
 def epoch_minute(moment: datetime) -> int:
@@ -114,7 +115,7 @@ class SloSpec:
             return None
         outcome = attributes.get("outcome")
         if self.sli_kind == "latency":
-            if outcome != "local":
+            if outcome != LOCAL:
                 return None  # latency judges answered requests; availability judges the rest
             assert self.threshold_s is not None
             return good_under_threshold(buckets, bounds, self.threshold_s), float(count)

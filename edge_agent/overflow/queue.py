@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from edge_agent.failures import FailureStreak
 from edge_agent.overflow.jobs import Job, JobNotRunning, JobStore, StoreUnavailable
 from edge_agent.scheduling.worker import ExecutionFailed, Refused
-from edge_agent.serving.tensors import RequestedOutput, TensorError, decode_request, encode_response, validate_inputs
+from spillway.contract.v2 import RequestedOutput, TensorError, decode_request, encode_response, validate_inputs
 
 if TYPE_CHECKING:
     from edge_agent.serving.models import ModelRegistry

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 from edge_agent.failures import FailureStreak
 from edge_agent.policy.cache import CachedPolicy, CacheUnreadable, CacheUnwritable, PolicyCache
-from edge_agent.policy.document import PolicyDocument
 from edge_agent.policy.plan import ModelPlan, Plan, PolicyRefused, ServedModel, Source, build_plan, local_plan
 from edge_agent.runtime.repository import UnknownModelError, version_on_disk
-from edge_agent.runtime.spec import ModelVersion
+from spillway.contract.policy import PolicyDocument
+from spillway.contract.spec import ModelVersion
 
 if TYPE_CHECKING:
     from edge_agent.serving.models import LoadedModel, ModelRegistry

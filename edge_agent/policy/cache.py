@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from edge_agent.policy.document import PolicyDocument
+from spillway.contract.policy import PolicyDocument
 
 log = logging.getLogger("spillway.agent.policy")
 

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from edge_agent.failures import FailureStreak
 from edge_agent.policy.apply import PolicyApplier, isoformat_utc
-from edge_agent.policy.document import parse
+from spillway.contract.policy import parse
 
 if TYPE_CHECKING:
     import httpx

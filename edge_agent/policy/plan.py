@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from edge_agent.policy.document import Fallback, Overflow, PolicyDocument, Shed
 from edge_agent.runtime.repository import UnknownModelError, version_on_disk
-from edge_agent.runtime.spec import ModelConfig, ModelVersion
-from edge_agent.serving.tensors import TensorError, decode_json_tensor
+from spillway.contract.policy import Fallback, Overflow, PolicyDocument, Shed
+from spillway.contract.spec import ModelConfig, ModelVersion
+from spillway.contract.v2 import TensorError, decode_json_tensor
 
 Source = Literal["control_plane", "cache", "local"]
 Admission = Literal["serve", "overflow", "shed", "fallback"]

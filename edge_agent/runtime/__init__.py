@@ -6,7 +6,6 @@ Importing this package does not import onnxruntime; building an `OrtRunner` does
 from __future__ import annotations
 
 from edge_agent.runtime.config import ModelConfigError, load_model_config
-from edge_agent.runtime.demo_models import DEMO_VARIANTS, DemoVariant, build_demo_repository
 from edge_agent.runtime.gpu import GpuMemoryError, check_fits, free_gpu_memory
 from edge_agent.runtime.memory import HostMemoryError, available_host_memory, check_load_fits
 from edge_agent.runtime.profile import ComputeProfile, warmup_batch_sizes
@@ -18,7 +17,7 @@ from edge_agent.runtime.repository import (
     version_on_disk,
 )
 from edge_agent.runtime.runner import NUMPY_DTYPES, OrtRunner, RunnerError, choose_providers
-from edge_agent.runtime.spec import (
+from spillway.contract.spec import (
     V2_DATATYPES,
     DynamicBatching,
     ModelConfig,
@@ -29,11 +28,9 @@ from edge_agent.runtime.spec import (
 )
 
 __all__ = [
-    "DEMO_VARIANTS",
     "NUMPY_DTYPES",
     "V2_DATATYPES",
     "ComputeProfile",
-    "DemoVariant",
     "DynamicBatching",
     "GpuMemoryError",
     "HostMemoryError",
@@ -48,7 +45,6 @@ __all__ = [
     "UnknownModelError",
     "VersionPolicy",
     "available_host_memory",
-    "build_demo_repository",
     "check_fits",
     "check_load_fits",
     "choose_providers",

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from google.protobuf import json_format, text_format
 
-from edge_agent.runtime.spec import (
+from spillway.contract.spec import (
     DynamicBatching,
     ModelConfig,
     QueuePolicy,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from edge_agent.runtime import gpu
-from edge_agent.runtime.spec import ModelVersion
+from spillway.contract.spec import ModelVersion
 
 # Weights plus activations and the session's own buffers: loading takes more than the file's size.
 LOAD_FACTOR = 1.5

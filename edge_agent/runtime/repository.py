@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.runtime.config import MODEL_FILENAMES, ModelConfigError, load_model_config
-from edge_agent.runtime.spec import ModelConfig, ModelVersion, TensorSpec, VersionPolicy
+from spillway.contract.spec import ModelConfig, ModelVersion, TensorSpec, VersionPolicy
 
 _VERSION_DIR = re.compile(r"[0-9]+")
 

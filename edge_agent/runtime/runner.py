@@ -14,7 +14,7 @@ import numpy as np
 
 from edge_agent.runtime import gpu
 from edge_agent.runtime.profile import ComputeProfile
-from edge_agent.runtime.spec import ModelVersion
+from spillway.contract.spec import ModelVersion
 
 if TYPE_CHECKING:
     import onnxruntime

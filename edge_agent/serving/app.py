@@ -21,10 +21,10 @@ from edge_agent.overflow.fallback import ResponseCache, default_answer, inputs_k
 from edge_agent.overflow.forward import Forwarded, Forwarder
 from edge_agent.overflow.jobs import QueueFull, StoreUnavailable
 from edge_agent.runtime.repository import UnknownModelError
-from edge_agent.runtime.spec import ModelConfig
 from edge_agent.scheduling.worker import ExecutionFailed, Refused
 from edge_agent.serving.models import LoadedModel, ModelRegistry
-from edge_agent.serving.tensors import (
+from spillway.contract.spec import ModelConfig
+from spillway.contract.v2 import (
     DecodedRequest,
     RequestedOutput,
     TensorError,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edge_agent.runtime.repository import UnknownModelError
-from edge_agent.runtime.spec import ModelConfig
 from edge_agent.scheduling.worker import ModelWorker
+from spillway.contract.spec import ModelConfig
 
 
 @dataclass

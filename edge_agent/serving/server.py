@@ -16,16 +16,16 @@ from edge_agent.config import AgentConfig
 from edge_agent.overflow.fallback import ResponseCache
 from edge_agent.policy.apply import PolicyApplier
 from edge_agent.policy.cache import PolicyCache
-from edge_agent.policy.document import Overflow
 from edge_agent.policy.plan import PolicyRefused, ServedModel, validate_default_outputs
 from edge_agent.runtime.config import ModelConfigError
 from edge_agent.runtime.repository import UnknownModelError, check_onnx_graph, load_repository
-from edge_agent.runtime.spec import ModelConfig, ModelVersion
 from edge_agent.scheduling.core import LevelPolicy, Scheduler, SchedulerConfig
 from edge_agent.scheduling.worker import ModelWorker
 from edge_agent.serving.app import InferenceApp
-from edge_agent.serving.graceful import GracefulServer
 from edge_agent.serving.models import LoadedModel, ModelRegistry
+from spillway.contract.policy import Overflow
+from spillway.contract.spec import ModelConfig, ModelVersion
+from spillway.graceful import GracefulServer
 
 if TYPE_CHECKING:
     import numpy as np

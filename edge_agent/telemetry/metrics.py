@@ -18,12 +18,12 @@ from opentelemetry.sdk.resources import Resource
 
 from edge_agent import __version__
 from edge_agent.telemetry.probes import register_probes
+from spillway.contract import names
+from spillway.contract.names import DEFAULT_LATENCY_BUCKETS_MS, DURATIONS
 
 log = logging.getLogger("spillway.agent.telemetry")
 
-DEFAULT_LATENCY_BUCKETS_MS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-DURATIONS = ("spillway.request.duration", "spillway.queue.duration", "spillway.compute.duration")
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,11 @@ class TelemetrySettings:
 
 def resource_for(settings: TelemetrySettings) -> Resource:
     attributes: dict[str, Any] = {
-        "service.name": "spillway-edge-agent",
+        "service.name": names.SERVICE_NAME,
         "service.version": __version__,
         "service.instance.id": settings.agent_id,
         "host.name": socket.gethostname(),
-        "spillway.device.class": settings.device_class,
+        names.ATTR_DEVICE_CLASS: settings.device_class,
     }
     attributes.update({f"spillway.label.{key}": value for key, value in settings.labels.items()})
     return Resource.create(attributes)
@@ -81,28 +81,28 @@ class AgentTelemetry:
         buckets_s = tuple(ms / 1000 for ms in sorted(settings.latency_buckets_ms))
         views = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(buckets_s))
                  for name in DURATIONS]  # fmt: skip
-        views.append(View(instrument_name="spillway.batch.size",
+        views.append(View(instrument_name=names.BATCH_SIZE,
                           aggregation=ExplicitBucketHistogramAggregation(BATCH_BUCKETS)))  # fmt: skip
         all_readers = list(readers) if readers is not None else otlp_readers(settings)
         self.provider = MeterProvider(resource=resource_for(settings), metric_readers=all_readers, views=views)
         meter = self.provider.get_meter("spillway.edge_agent", __version__)
-        self.requests = meter.create_counter("spillway.requests", unit="{request}", description="requests by outcome")
+        self.requests = meter.create_counter(names.REQUESTS, unit="{request}", description="requests by outcome")
         self.request_duration = meter.create_histogram(
-            "spillway.request.duration", unit="s", description="arrival at the agent to answer"
+            names.REQUEST_DURATION, unit="s", description="arrival at the agent to answer"
         )
-        self.queue_duration = meter.create_histogram("spillway.queue.duration", unit="s", description="time queued")
+        self.queue_duration = meter.create_histogram(names.QUEUE_DURATION, unit="s", description="time queued")
         self.compute_duration = meter.create_histogram(
-            "spillway.compute.duration", unit="s", description="model run time of the request's batch"
+            names.COMPUTE_DURATION, unit="s", description="model run time of the request's batch"
         )
-        self.batch_size = meter.create_histogram("spillway.batch.size", unit="{row}", description="rows per batch")
+        self.batch_size = meter.create_histogram(names.BATCH_SIZE, unit="{row}", description="rows per batch")
         self._queue_sources: list[Callable[[], Iterable[tuple[dict[str, Any], int]]]] = []
-        meter.create_observable_gauge("spillway.queue.depth", callbacks=[self._observe_queues], unit="{request}",
+        meter.create_observable_gauge(names.QUEUE_DEPTH, callbacks=[self._observe_queues], unit="{request}",
                                       description="requests queued, per model and priority")  # fmt: skip
         self.policy_refusals = meter.create_counter(
-            "spillway.policy.refusals", unit="{document}", description="policy documents refused (invalid or unfit)"
+            names.POLICY_REFUSALS, unit="{document}", description="policy documents refused (invalid or unfit)"
         )
         self._policy_source: Callable[[], tuple[int, str]] | None = None
-        meter.create_observable_gauge("spillway.policy.version", callbacks=[self._observe_policy], unit="1",
+        meter.create_observable_gauge(names.POLICY_VERSION, callbacks=[self._observe_policy], unit="1",
                                       description="version of the active policy document (0: none)")  # fmt: skip
         if probes:
             register_probes(meter)
@@ -147,13 +147,14 @@ class ModelRecorder:
         self.telemetry = telemetry
         self.model, self.version = model, version
         self._attributes: dict[tuple[int, str], dict[str, Any]] = {}
-        self._batch_attributes = {"model": model, "model.version": version}
+        self._batch_attributes = {names.ATTR_MODEL: model, names.ATTR_VERSION: version}
 
     def attributes(self, priority: int, outcome: str) -> dict[str, Any]:
         key = (priority, outcome)
         found = self._attributes.get(key)
         if found is None:
-            found = {"model": self.model, "model.version": self.version, "priority": priority, "outcome": outcome}
+            found = {names.ATTR_MODEL: self.model, names.ATTR_VERSION: self.version, names.ATTR_PRIORITY: priority,
+                     names.ATTR_OUTCOME: outcome}  # fmt: skip
             self._attributes[key] = found
         return found
 
@@ -165,7 +166,7 @@ class ModelRecorder:
         t = self.telemetry
         t.request_duration.record(total_s, attributes)
         t.queue_duration.record(queue_s, attributes)
-        if outcome == "local":
+        if outcome == names.LOCAL:
             t.compute_duration.record(compute_s, attributes)
 
     def batch(self, rows: int, compute_s: float, ok: bool) -> None:

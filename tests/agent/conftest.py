@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from edge_agent.runtime.demo_models import build_demo_repository
+from spillway.demo.models import build_demo_repository
 from tests.utils.server import free_port
 
 
@@ -56,7 +56,7 @@ def start_agent(repo: Path, workdir: Path, **settings: Any) -> RunningAgent:
     log = workdir / f"agent-{port}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "controlplane.cli", "agent", "serve", "--config", str(config)],
+            [sys.executable, "-m", "spillway.cli", "agent", "serve", "--config", str(config)],
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"

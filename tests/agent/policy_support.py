@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request, Response
 
-from edge_agent.runtime.demo_models import CONFIG_PBTXT
+from spillway.demo.models import CONFIG_PBTXT
 
 AGENT_ID = "edge-test-1"
 TOKEN = "spa_edge-test-1_secret"

@@ -26,7 +26,7 @@ def test_no_agent_module_imports_server_code() -> None:
 
 def test_serving_the_agent_loads_none_of_them() -> None:
     code = (
-        "import sys; import edge_agent.serving.server, edge_agent.cli, edge_agent.burst; "
+        "import sys; import edge_agent.serving.server, spillway.cli, spillway.demo.burst; "
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)

@@ -1,8 +1,8 @@
 """The agent's side of overflow, with real processes: an edge agent overflowing to a Spillway agent in cloud role
 (the gateway speaks the same V2 protocol on the same paths), and every fallback behind it when the cloud fails.
 
-The gateway itself (backend choice, retries, ejection) is tested in tests/test_gateway*.py; the end-to-end story
-through it in tests/test_overflow_e2e.py.
+The gateway itself (backend choice, retries, ejection) is tested in tests/controlplane/test_gateway*.py; the
+end-to-end story through it in tests/e2e/test_overflow_e2e.py.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def test_a_cloud_agent_refuses_to_overflow_and_bad_overflow_settings_are_refused
     import yaml
 
     config.write_text(yaml.safe_dump({"model_repository": str(demo_repo), "overflow": {"default_outputs": bad}}))
-    done = subprocess.run([sys.executable, "-m", "controlplane.cli", "agent", "serve", "--config", str(config)],
+    done = subprocess.run([sys.executable, "-m", "spillway.cli", "agent", "serve", "--config", str(config)],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode != 0
     assert "overflow.default_outputs['mlp']" in done.stderr + done.stdout and "nope" in done.stderr + done.stdout

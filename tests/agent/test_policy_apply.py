@@ -18,9 +18,9 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from edge_agent.config import AgentConfig
 from edge_agent.overflow.fallback import ResponseCache, inputs_key
-from edge_agent.policy.document import PolicyDocument
 from edge_agent.serving.server import Agent, build_agent, build_registry
 from edge_agent.telemetry import AgentTelemetry, LiveTelemetry, TelemetrySettings
+from spillway.contract.policy import PolicyDocument
 from tests.agent.policy_support import AGENT_ID, default_output, document, infer_body, make_repository
 
 RNG = np.random.default_rng(11)

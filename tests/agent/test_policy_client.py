@@ -18,8 +18,8 @@ import pytest
 from edge_agent.config import AgentConfig
 from edge_agent.policy.cache import PolicyCache
 from edge_agent.policy.client import RETRY_REFUSED_AFTER_S, PolicyPoller
-from edge_agent.policy.document import PolicyDocument
 from edge_agent.serving.server import Agent, build_agent, build_registry
+from spillway.contract.policy import PolicyDocument
 from tests.agent.policy_support import AGENT_ID, TOKEN, PolicyServer, document, make_repository
 from tests.utils.fullfs import small_disk
 from tests.utils.server import free_port, serving

@@ -20,14 +20,13 @@ from edge_agent.runtime import (
     OrtRunner,
     RunnerError,
     UnknownModelError,
-    build_demo_repository,
     check_fits,
     choose_providers,
     free_gpu_memory,
     load_repository,
     warmup_batch_sizes,
 )
-from edge_agent.runtime.demo_models import CONFIG_PBTXT, DemoVariant, build_mlp
+from spillway.demo.models import CONFIG_PBTXT, DemoVariant, build_demo_repository, build_mlp
 
 TINY = DemoVariant(version=1, label="tiny", hidden=(8,))
 

@@ -53,7 +53,7 @@ def dashboard(fleet: SeededPlane, tmp_path_factory: pytest.TempPathFactory) -> I
     port = free_port()
     log = tmp_path_factory.mktemp("dashboard-process") / "dashboard.log"
     env = {**os.environ, "SPILLWAY_API_KEY": fleet.keys["editor"], "SPILLWAY_DASHBOARD_REFRESH_S": "5"}
-    command = [sys.executable, "-m", "controlplane.cli", "dashboard", "--api", fleet.url, "--port", str(port)]
+    command = [sys.executable, "-m", "spillway.cli", "dashboard", "--api", fleet.url, "--port", str(port)]
     with log.open("wb") as out:
         proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -11,7 +11,6 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from controlplane.cli import app
 from controlplane.schemas.rules import ACTION_LADDER
 from controlplane.slo.maths import GOOD_OUTCOMES
 from dashboards.api import ApiError, ApiUnreachable, SpillwayApi, field_errors, gather
@@ -32,6 +31,7 @@ from dashboards.gateway import NOT_LOADED, GatewayView, backend_state, gateway_r
 from dashboards.history import SampleLog
 from dashboards.launch import dashboard_env, start_dashboard, streamlit_command, wait_ready
 from dashboards.session import LocalFieldErrors, field_matches
+from spillway.cli import app
 from tests.utils.server import free_port
 
 SHED = {"kind": "shed", "priority_at_or_below": 3, "retry_after_s": 7}

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from bench.mlserver_venv import VenvError, ensure_mlserver_venv
-from edge_agent.runtime.demo_models import MODEL_NAME
+from spillway.demo.models import MODEL_NAME
 from tests.utils.server import free_port
 
 RUNTIME = Path(__file__).resolve().parents[2] / "bench" / "mlserver"

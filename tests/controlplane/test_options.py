@@ -9,7 +9,7 @@ from collections import defaultdict
 import httpx
 
 from tests.conftest import Api
-from tests.test_auth import PROBES, walk_routes
+from tests.controlplane.test_auth import PROBES, walk_routes
 
 METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE"}
 

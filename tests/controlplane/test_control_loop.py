@@ -14,7 +14,7 @@ from controlplane.db.models import Agent, Event, Policy, Rule, RuleState, Slo
 from controlplane.rules.loop import ControlLoop, PolicyDefaults
 from controlplane.schemas.rules import RuleCreate
 from controlplane.slo.windows import SloWindows
-from edge_agent.policy.document import PolicyDocument
+from spillway.contract.policy import PolicyDocument
 from tests.utils.rollups import add_agent, add_gauge, add_requests
 
 T0 = datetime(2026, 11, 30, 9, 0, 5, tzinfo=timezone.utc)

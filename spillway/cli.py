@@ -1,19 +1,24 @@
-"""The `spillway` command. Imports stay inside commands so that `spillway --help` and agent commands stay light."""
+"""The one `spillway` command: subcommands call into the parts.
+
+Imports stay inside commands, so that `spillway --help` and the agent's commands load no control-plane, dashboard or
+demo code: on a lean install (`pip install spillway`, the agent alone) `spillway agent serve` works, and a
+control-plane or dashboard command says which extra to install."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-
-from edge_agent.cli import agent_app, models_app
 
 if TYPE_CHECKING:
     from controlplane.settings import Settings
 
 app = typer.Typer(help="Spillway: keep edge AI inference inside its SLOs.", no_args_is_help=True)
 controlplane_app = typer.Typer(help="Run and administer the control plane.", no_args_is_help=True)
+agent_app = typer.Typer(help="Run the edge agent.", no_args_is_help=True)
+models_app = typer.Typer(help="Model repository tools.", no_args_is_help=True)
 app.add_typer(controlplane_app, name="controlplane")
 app.add_typer(agent_app, name="agent")
 app.add_typer(models_app, name="models")
@@ -37,7 +42,7 @@ def _settings(**overrides: Any) -> Settings:
 @app.command()
 def version() -> None:
     """Print Spillway's version."""
-    from controlplane import __version__
+    from spillway import __version__
 
     typer.echo(__version__)
 
@@ -54,7 +59,7 @@ def serve(
     import uvicorn
 
     from controlplane.app import create_app
-    from edge_agent.serving.graceful import GracefulServer
+    from spillway.graceful import GracefulServer
 
     settings = _settings(host=host, port=port, migrate_on_start=migrate)
     config = uvicorn.Config(
@@ -151,7 +156,7 @@ def demo(
 ) -> None:
     """Start a control plane, an edge agent and the dashboard, seed the example fleet, and run the story: a burst,
     its telemetry and SLOs, and a load ramp that makes a degradation rule fire and recover."""
-    from controlplane.demo import run_demo
+    from spillway.demo.run import run_demo
 
     raise typer.Exit(run_demo(port=port, agent_port=agent_port, data_dir=data_dir, once=once,
                               dashboard_port=dashboard_port))  # fmt: skip
@@ -177,8 +182,103 @@ def dashboard(
     run_dashboard(api, key, port=port, host=host)
 
 
+# ---- the edge agent (no control-plane imports) ----
+
+
+@agent_app.command("serve")
+def agent_serve(
+    model_repository: Annotated[Path | None, typer.Option(help="Triton-layout model repository")] = None,
+    host: Annotated[str | None, typer.Option(help="listen address (default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="listen port (default 8001)")] = None,
+    config: Annotated[Path | None, typer.Option(help="agent config YAML")] = None,
+    allow_unauthenticated: Annotated[
+        bool, typer.Option(help="serve beyond loopback without a token (not recommended)")
+    ] = False,
+    control_plane: Annotated[
+        str | None, typer.Option(help="control plane URL: metrics go to <URL>/v1/metrics, policies are polled from it")
+    ] = None,
+    agent_token: Annotated[
+        str | None, typer.Option(envvar="SPILLWAY_AGENT_TOKEN", help="this agent's token (or SPILLWAY_AGENT_TOKEN)")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error")] = "info",
+) -> None:
+    """Serve the models of a repository over the Open Inference Protocol (KServe V2)."""
+    import logging
+
+    from pydantic import ValidationError
+
+    from edge_agent.config import AgentConfig
+    from edge_agent.runtime.config import ModelConfigError
+    from edge_agent.runtime.gpu import GpuMemoryError
+    from edge_agent.runtime.runner import RunnerError
+
+    try:
+        agent = AgentConfig.load(
+            config, model_repository=model_repository, host=host, port=port,
+            allow_unauthenticated=allow_unauthenticated or None, control_plane=control_plane,
+            agent_token=agent_token,
+        )  # fmt: skip
+    except (ValidationError, ValueError, OSError) as exc:
+        typer.echo(f"error: invalid agent config: {exc}", err=True)
+        raise typer.Exit(2) from None
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per policy poll; failures log on their own
+    from edge_agent.serving.server import build_registry, serve
+
+    try:
+        registry = build_registry(agent)
+    except (ModelConfigError, RunnerError, GpuMemoryError) as exc:
+        typer.echo(f"error: cannot load the model repository: {exc}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        serve(agent, registry=registry, log_level=log_level)
+    except ModelConfigError as exc:  # settings that do not fit the models (overflow defaults, async models)
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@models_app.command("build-demo")
+def build_demo(out: Annotated[Path, typer.Option(help="where to write the model repository")]) -> None:
+    """Write the demo repository: model `mlp`, v1 full (512-4096-4096-1000) and v2 lite (512-1024-1024-1000)."""
+    from spillway.demo.models import build_demo_repository
+
+    root = build_demo_repository(out)
+    typer.echo(str(root))
+
+
+@agent_app.command("burst")
+def agent_burst(
+    url: Annotated[str, typer.Option(help="the agent's base URL")] = "http://127.0.0.1:8001",
+    model: Annotated[str, typer.Option(help="model name")] = "mlp",
+    version: Annotated[str, typer.Option(help="model version")] = "1",
+    requests: Annotated[int, typer.Option(min=1, max=100_000, help="how many requests")] = 600,
+    concurrency: Annotated[int, typer.Option(min=1, max=1024, help="concurrent clients")] = 48,
+) -> None:
+    """Send a short burst of mixed-priority traffic and print outcomes and latency per priority."""
+    import asyncio
+
+    from spillway.demo.burst import format_report, run_burst
+
+    reports = asyncio.run(run_burst(url, model=model, version=version, requests=requests, concurrency=concurrency))
+    typer.echo(format_report(reports))
+
+
+# What each extra brings: a command that needs one on an install without it says which to install.
+_EXTRAS = {"fastapi": "controlplane", "sqlalchemy": "controlplane", "alembic": "controlplane",
+           "prometheus_client": "controlplane", "streamlit": "dashboard", "pandas": "dashboard",
+           "altair": "dashboard"}  # fmt: skip
+
+
 def main() -> None:
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as exc:
+        extra = _EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        typer.echo(f"error: this command needs {exc.name}, which this install lacks: pip install 'spillway[{extra}]'",
+                   err=True)  # fmt: skip
+        sys.exit(2)
 
 
 if __name__ == "__main__":

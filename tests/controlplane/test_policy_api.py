@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from controlplane.db.models import utcnow
-from edge_agent.policy.document import PolicyDocument, parse
+from spillway.contract.policy import PolicyDocument, parse
 from tests.conftest import Api
 from tests.utils.builders import make_agent, make_rule
 from tests.utils.rollups import add_gauge

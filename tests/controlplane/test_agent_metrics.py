@@ -15,7 +15,8 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from controlplane.query import Histogram, histogram_quantile, merge_histograms, summarise
 from edge_agent.scheduling.stats import ModelStats
 from edge_agent.telemetry import AgentTelemetry, TelemetrySettings
-from edge_agent.telemetry.metrics import BATCH_BUCKETS, DEFAULT_LATENCY_BUCKETS_MS
+from edge_agent.telemetry.metrics import BATCH_BUCKETS
+from spillway.contract.names import DEFAULT_LATENCY_BUCKETS_MS
 from tests.conftest import Plane
 from tests.utils.builders import make_agent
 

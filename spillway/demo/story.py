@@ -102,7 +102,7 @@ class Story:
         self.agent_token = ""
         self.rule_id = ""
         self.cleanup = ExitStack()
-        self.cli = [sys.executable, "-m", "controlplane.cli"]
+        self.cli = [sys.executable, "-m", "spillway.cli"]
         self.cp_log, self.agent_log = root / "controlplane.log", root / "agent.log"
 
     # ---- processes ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import yaml
 
-from controlplane.story import Story, _process, read_response, stop, wait_ready
+from spillway.demo.story import Story, _process, read_response, stop, wait_ready
 
 OUTCOMES = ("local", "overflow", "fallback_cache", "fallback_default", "queued_async", "rejected", "error")
 IDLE_S = 1.0  # the load generator drops a keep-alive connection idle longer than this (the server may close it)
@@ -40,9 +40,9 @@ CLOUD_CONCURRENCY = 4
 
 
 def small_repository(out: Path) -> Path:
-    """The slow `mlp` (edge_agent/runtime/demo_models.py `build_slow_repository`): ~20 ms a request on one thread,
+    """The slow `mlp` (spillway/demo/models.py `build_slow_repository`): ~20 ms a request on one thread,
     one request at a time, the demo's priority levels and deadlines."""
-    from edge_agent.runtime.demo_models import build_slow_repository
+    from spillway.demo.models import build_slow_repository
 
     return build_slow_repository(out)
 

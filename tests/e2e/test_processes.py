@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import make_keys
 from tests.utils.server import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -25,7 +25,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _serve(url: str, port: int, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--port", str(port), *args],
+        [sys.executable, "-m", "spillway.cli", "controlplane", "serve", "--port", str(port), *args],
         env=_env(SPILLWAY_DATABASE_URL=url),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -87,7 +87,7 @@ def test_exactly_one_replica_runs_the_control_loop_and_another_takes_over(postgr
     for port, log in zip(ports, logs, strict=True):
         with log.open("wb") as out:  # a file, not a pipe: a chatty replica must never block on a full pipe
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--port", str(port)],
+                [sys.executable, "-m", "spillway.cli", "controlplane", "serve", "--port", str(port)],
                 env=_env(SPILLWAY_DATABASE_URL=postgres_url, SPILLWAY_CONTROL_LOOP_INTERVAL_S="0.3"),
                 stdout=out, stderr=subprocess.STDOUT,
             ))  # fmt: skip
@@ -147,7 +147,7 @@ def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:
     args = ["demo", "--once", "--port", str(port), "--agent-port", str(agent_port), "--data-dir", str(tmp_path),
             "--dashboard-port", str(dashboard_port)]  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "controlplane.cli", *args],
+        [sys.executable, "-m", "spillway.cli", *args],
         env=_env(),
         capture_output=True,
         text=True,

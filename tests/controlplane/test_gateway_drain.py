@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from controlplane.story import Story
+from spillway.demo.story import Story
 from tests.utils.builders import make_agent, make_backend
 from tests.utils.gateway import MLP_REQUEST, start_faulty, wait_for
 from tests.utils.keepalive import KeepAliveLoad

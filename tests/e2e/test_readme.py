@@ -6,10 +6,10 @@ from pathlib import Path
 
 from typer.main import get_command
 
-from controlplane.cli import app
 from controlplane.settings import Settings
+from spillway.cli import app
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
 def test_every_setting_is_documented() -> None:

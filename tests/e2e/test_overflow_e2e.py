@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.overflow_story import OUTCOMES, LoadPhase, OverflowStory, small_repository
-from controlplane.story import Story
+from spillway.demo.overflow_story import OUTCOMES, LoadPhase, OverflowStory, small_repository
+from spillway.demo.story import Story
 from tests.utils.server import free_port
 
 pytestmark = pytest.mark.slow

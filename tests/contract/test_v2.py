@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from edge_agent.runtime.spec import V2_DATATYPES, TensorSpec
-from edge_agent.serving import tensors
-from edge_agent.serving.tensors import (
+from spillway.contract import v2 as tensors
+from spillway.contract.spec import V2_DATATYPES, TensorSpec
+from spillway.contract.v2 import (
     NUMPY_TO_V2,
     V2_TO_NUMPY,
     DecodedRequest,

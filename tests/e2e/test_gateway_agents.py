@@ -14,7 +14,7 @@ import orjson
 import pytest
 import tritonclient.http as triton
 
-from edge_agent.runtime.demo_models import build_demo_repository
+from spillway.demo.models import build_demo_repository
 from tests.agent.conftest import RunningAgent, start_agent, stop_agent
 from tests.utils.gateway import Plane, running_plane, wait_for
 

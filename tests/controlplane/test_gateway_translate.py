@@ -21,8 +21,8 @@ import tritonclient.http as triton
 from tritonclient.utils import triton_to_np_dtype
 
 from controlplane.gateway.translate import BinaryOutputs, TranslationError, request_to_json, response_from_json
-from edge_agent.runtime.demo_models import build_demo_repository
-from edge_agent.serving.tensors import RequestedOutput, decode_request
+from spillway.contract.v2 import RequestedOutput, decode_request
+from spillway.demo.models import build_demo_repository
 from tests.utils.mlserver import running_mlserver
 
 SAMPLES: dict[str, list[Any]] = {  # six values each, the type's edges included; shaped [2, 3] (a batch of 2)

@@ -9,7 +9,7 @@ import pytest
 
 from controlplane.rules.engine import Hysteresis, State, advance
 from controlplane.rules.policy import Active, compose, document, same_content, stepped_action
-from edge_agent.policy.document import PolicyDocument
+from spillway.contract.policy import PolicyDocument
 
 
 def run(h: Hysteresis, timeline: list[tuple[float, bool]], state: State | None = None) -> list[tuple[float, str, str]]:

@@ -21,7 +21,7 @@ PROBES = {"/healthz", "/readyz"}
 RANK = {"viewer": 0, "editor": 1, "admin": 2, "agent": 99}  # no operator role reaches agent endpoints
 AGENT_ONLY = {"/v1/metrics", "/v2/models/{model}/infer", "/v2/models/{model}/versions/{version}/infer"}  # + gateway
 READ_ONLY = {"/metrics", "/api/v1/agents/{item_id}/metrics"}  # Prometheus scrape, an agent's telemetry
-AGENT_OWN = {"/api/v1/agents/{item_id}/policy"}  # viewers, and the agent itself (tests/test_policy_api.py)
+AGENT_OWN = {"/api/v1/agents/{item_id}/policy"}  # viewers, and the agent itself (tests/controlplane/test_policy_api.py)
 
 
 def walk_routes(app: FastAPI) -> Iterator[tuple[str, str]]:
@@ -183,7 +183,7 @@ def test_agent_token_is_shown_once_and_rotation_invalidates_the_old_one(sqlite_a
 def test_create_key_cli_prints_the_key_alone(sqlite_url: str, role: str) -> None:
     env = {"SPILLWAY_DATABASE_URL": sqlite_url, "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
-        [sys.executable, "-m", "controlplane.cli", "controlplane", "create-key", "--role", role, "--name", "first"],
+        [sys.executable, "-m", "spillway.cli", "controlplane", "create-key", "--role", role, "--name", "first"],
         capture_output=True,
         text=True,
         env=env,
@@ -192,7 +192,7 @@ def test_create_key_cli_prints_the_key_alone(sqlite_url: str, role: str) -> None
     )
     assert re.fullmatch(r"spk_[0-9a-f]{16}_[A-Za-z0-9_-]{43}\n", out.stdout)
     dup = subprocess.run(
-        [sys.executable, "-m", "controlplane.cli", "controlplane", "create-key", "--role", role, "--name", "first"],
+        [sys.executable, "-m", "spillway.cli", "controlplane", "create-key", "--role", role, "--name", "first"],
         capture_output=True,
         text=True,
         env=env,
@@ -202,7 +202,7 @@ def test_create_key_cli_prints_the_key_alone(sqlite_url: str, role: str) -> None
     assert dup.stdout == ""
     assert "already exists" in dup.stderr
     bad = subprocess.run(
-        [sys.executable, "-m", "controlplane.cli", "controlplane", "create-key", "--role", "root", "--name", "x"],
+        [sys.executable, "-m", "spillway.cli", "controlplane", "create-key", "--role", "root", "--name", "x"],
         capture_output=True,
         text=True,
         env=env,

@@ -106,7 +106,7 @@ def test_settings_refuse_nonsense_naming_the_variable(monkeypatch: pytest.Monkey
 
 def test_serve_refuses_bad_settings_with_a_message_not_a_trace(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "controlplane.cli", "controlplane", "serve"],
+        [sys.executable, "-m", "spillway.cli", "controlplane", "serve"],
         env={"SPILLWAY_MAX_BODY_BYTES": "0", "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_agent.runtime.spec import V2_DATATYPES, TensorSpec
+from spillway.contract.spec import V2_DATATYPES, TensorSpec
 
 __all__ = [
     "NUMPY_TO_V2",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from controlplane.story import Phase, Story, stop
-from edge_agent.runtime.demo_models import build_demo_repository
+from spillway.demo.models import build_demo_repository
+from spillway.demo.story import Phase, Story, stop
 from tests.utils.server import free_port
 
 

@@ -50,9 +50,9 @@ EXPORT_INTERVAL_S = 1.0
 
 
 def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard_port: int = 0) -> int:
-    from controlplane.story import RULE, Story
-    from edge_agent.burst import DEFAULT_MIX, format_report, run_burst
-    from edge_agent.runtime.demo_models import build_demo_repository
+    from spillway.demo.burst import DEFAULT_MIX, format_report, run_burst
+    from spillway.demo.models import build_demo_repository
+    from spillway.demo.story import RULE, Story
 
     root = Path(data_dir).resolve()
     with Story(root, port=port, agent_port=agent_port, interval_s=EXPORT_INTERVAL_S) as story:
@@ -125,8 +125,8 @@ def _start_dashboard(story: Any, admin_key: str, port: int) -> Any:
     """The dashboard beside the story (stopped with it); None when `port` is 0."""
     if not port:
         return None
-    from controlplane.story import stop
     from dashboards import start_dashboard, wait_ready
+    from spillway.demo.story import stop
 
     proc = start_dashboard(story.base, admin_key, port=port, log_path=story.root / "dashboard.log")
     story.cleanup.callback(stop, proc)
@@ -136,7 +136,7 @@ def _start_dashboard(story: Any, admin_key: str, port: int) -> Any:
 
 def control_loop_story(story: Any, rule: dict[str, Any]) -> None:
     """A load ramp past the rule and back, one line a second, then the events the control loop wrote."""
-    from controlplane.story import Phase
+    from spillway.demo.story import Phase
 
     condition = rule["condition"]
     _say(f"The control loop: rule '{rule['name']}' switches mlp to its lite variant (v2) while the queue is deeper "
@@ -180,8 +180,8 @@ def control_loop_story(story: Any, rule: dict[str, Any]) -> None:
 
 
 def overflow_story(story: Any) -> None:
-    """The overflow story (controlplane/overflow_story.py) beside the running control plane: outcome mix per phase."""
-    from controlplane.overflow_story import OverflowStory, format_phases, small_repository, standard_phases
+    """The overflow story (spillway/demo/overflow_story.py) beside the running control plane: outcome mix per phase."""
+    from spillway.demo.overflow_story import OverflowStory, format_phases, small_repository, standard_phases
 
     small = small_repository(story.root / "models-slow")
     overflow = OverflowStory(story, models=small, edge_port=_free_port(), cloud_ports=[_free_port()])

@@ -1,0 +1,123 @@
+"""The names both sides of the wire agree on: metrics and their attributes (the OTLP stream), request outcomes and
+reasons, and the HTTP headers an agent and the gateway exchange. Defined once here; the agent, the control plane,
+the dashboard and the demo import them, so a rename is one edit and a typo is an import error."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+# ---- metrics (OTLP), as the agent exports them and the control plane stores them ----------------------------------
+
+REQUESTS = "spillway.requests"  # counter: model, priority, outcome
+REQUEST_DURATION = "spillway.request.duration"  # histogram, s: arrival at the agent to answer
+QUEUE_DURATION = "spillway.queue.duration"  # histogram, s
+COMPUTE_DURATION = "spillway.compute.duration"  # histogram, s: the model run of the request's batch
+BATCH_SIZE = "spillway.batch.size"  # histogram, rows
+QUEUE_DEPTH = "spillway.queue.depth"  # gauge: model, priority
+POLICY_REFUSALS = "spillway.policy.refusals"  # counter: source
+POLICY_VERSION = "spillway.policy.version"  # gauge
+DURATIONS = (REQUEST_DURATION, QUEUE_DURATION, COMPUTE_DURATION)
+
+GPU_MEMORY_USAGE = "hw.gpu.memory.usage"  # gauge, By
+GPU_MEMORY_LIMIT = "hw.gpu.memory.limit"  # gauge, By
+GPU_UTILIZATION = "hw.gpu.utilization"  # gauge, 0..1
+TEMPERATURE = "hw.temperature"  # gauge, Cel
+DEVICE_GAUGES = (GPU_MEMORY_USAGE, GPU_MEMORY_LIMIT, GPU_UTILIZATION, TEMPERATURE)
+
+# Attributes on the points and on the resource.
+ATTR_MODEL = "model"
+ATTR_VERSION = "model.version"
+ATTR_PRIORITY = "priority"
+ATTR_OUTCOME = "outcome"
+ATTR_DEVICE_CLASS = "spillway.device.class"
+SERVICE_NAME = "spillway-edge-agent"
+
+# Histogram bucket boundaries of the latency histograms, in milliseconds, unless a policy says otherwise. Latency
+# SLO thresholds must sit on one of them, so the control plane checks SLOs against the same list.
+DEFAULT_LATENCY_BUCKETS_MS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0)
+
+# ---- outcomes: every request gets exactly one -----------------------------------------------------------------------
+
+Outcome = Literal["local", "overflow", "fallback_cache", "fallback_default", "queued_async", "rejected", "error"]
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
+LOCAL: Outcome = "local"
+OVERFLOW: Outcome = "overflow"
+FALLBACK_CACHE: Outcome = "fallback_cache"
+FALLBACK_DEFAULT: Outcome = "fallback_default"
+QUEUED_ASYNC: Outcome = "queued_async"
+REJECTED: Outcome = "rejected"
+ERROR: Outcome = "error"
+# Answered with a result (the device's, the cloud's, a fallback's, or a promise of one): good for availability.
+GOOD_OUTCOMES: frozenset[Outcome] = frozenset({LOCAL, OVERFLOW, FALLBACK_CACHE, FALLBACK_DEFAULT, QUEUED_ASYNC})
+
+# Why a request was refused or sent elsewhere (the `reason` of a `rejected` answer, or of a fallback's).
+Reason = Literal[
+    "invalid_request",
+    "unknown_model",
+    "payload_too_large",
+    "deadline_unmeetable",
+    "queue_full",
+    "timeout",
+    "draining",
+    "shed",
+    "fallback_miss",
+    "no_gateway",
+    "async_storage_full",
+    "async_storage_unavailable",
+]
+
+# ---- HTTP headers (lower case, as ASGI carries them) ----------------------------------------------------------------
+
+H_OUTCOME = "spillway-outcome"  # on every inference answer: one of OUTCOMES
+H_REASON = "spillway-reason"  # on a refusal or a fallback: why
+H_VARIANT = "spillway-variant"  # the version that served, when a policy switched variant
+H_BACKEND = "spillway-backend"  # the cloud backend that answered an overflowed request
+H_JOB_ID = "spillway-job-id"
+H_JOB_STATUS = "spillway-job-status"
+H_TIMEOUT_US = "spillway-timeout-us"  # what is left of an overflowed request's deadline, in microseconds
+H_HEADER_LENGTH = "inference-header-content-length"  # Triton's binary extension: the JSON part's length
+H_RETRY_AFTER = "retry-after"
+
+__all__ = [
+    "ATTR_DEVICE_CLASS",
+    "ATTR_MODEL",
+    "ATTR_OUTCOME",
+    "ATTR_PRIORITY",
+    "ATTR_VERSION",
+    "BATCH_SIZE",
+    "COMPUTE_DURATION",
+    "DEFAULT_LATENCY_BUCKETS_MS",
+    "DEVICE_GAUGES",
+    "DURATIONS",
+    "ERROR",
+    "FALLBACK_CACHE",
+    "FALLBACK_DEFAULT",
+    "GOOD_OUTCOMES",
+    "GPU_MEMORY_LIMIT",
+    "GPU_MEMORY_USAGE",
+    "GPU_UTILIZATION",
+    "H_BACKEND",
+    "H_HEADER_LENGTH",
+    "H_JOB_ID",
+    "H_JOB_STATUS",
+    "H_OUTCOME",
+    "H_REASON",
+    "H_RETRY_AFTER",
+    "H_TIMEOUT_US",
+    "H_VARIANT",
+    "LOCAL",
+    "OUTCOMES",
+    "OVERFLOW",
+    "POLICY_REFUSALS",
+    "POLICY_VERSION",
+    "QUEUED_ASYNC",
+    "QUEUE_DEPTH",
+    "QUEUE_DURATION",
+    "REJECTED",
+    "REQUESTS",
+    "REQUEST_DURATION",
+    "SERVICE_NAME",
+    "TEMPERATURE",
+    "Outcome",
+    "Reason",
+]
