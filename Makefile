@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine with Python >= 3.10 and make:
-#   make demo   creates .venv, installs Spillway, runs the demo story
+#   make demo   creates .venv, installs Spillway with every part (.[all]), runs the demo story
 #   make test   creates .venv, installs Spillway with the dev extra, runs lint, types and the whole suite
 PYTHON ?= python3
 VENV   := .venv
@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet -e '.[all]'
 	@touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
