@@ -8,10 +8,14 @@ SpillwayError
 ├── PreconditionFailed    412 precondition_failed
 ├── Unauthenticated       401 unauthenticated
 ├── Forbidden             403 forbidden
+├── InvalidRequest        400 invalid_request         (a malformed request the API cannot even validate)
 ├── PayloadTooLarge       413 payload_too_large
 ├── UndecodableMetrics    400 bad_request             (OTLP ingest)
 ├── UnsupportedMediaType  415 unsupported_media_type  (OTLP ingest)
 └── Overloaded            503 overloaded, with Retry-After
+
+The overflow gateway adds its own refusals (controlplane/gateway/errors.py); every class maps to its status and body
+in one place, `controlplane/api/errors.py`.
 """
 
 from __future__ import annotations
@@ -80,6 +84,11 @@ class Unauthenticated(SpillwayError):
 class Forbidden(SpillwayError):
     status_code = 403
     code = "forbidden"
+
+
+class InvalidRequest(SpillwayError):
+    status_code = 400
+    code = "invalid_request"
 
 
 class PayloadTooLarge(SpillwayError):

@@ -1,18 +1,21 @@
 """What the gateway answers itself (rather than passing on a backend's answer): one status and one stable code each.
+The gateway uses the control plane's own classes (`controlplane.errors`) for what any endpoint refuses, and adds
+its refusals:
 
-GatewayError
+SpillwayError (controlplane.errors)
 ├── Unauthenticated       401 unauthenticated      (no or an invalid agent token), with WWW-Authenticate: Bearer
 ├── Forbidden             403 forbidden            (an operator's API key: the gateway is for agents)
 ├── InvalidRequest        400 invalid_request      (a malformed deadline, JSON header or version)
 │   └── InvalidModelName  400 invalid_model_name   (a model name no backend can register: NUL, '/', spaces, ...)
 ├── PayloadTooLarge       413 payload_too_large
-├── Refusal                                        (no backend can take the request now; retried nowhere)
-│   ├── NoBackend         503 no_backend           (none is registered for the model)
-│   ├── NoHealthyBackend  503 no_healthy_backend   (all are failing their checks or ejected)
-│   └── NoCapacity        503 no_capacity          (all are at their max_concurrency)
-├── BackendUnavailable    502 backend_unavailable  (every attempt failed)
-├── BadBackendResponse    502 bad_backend_response (a JSON-only backend's answer could not be translated back)
-└── DeadlineExceeded      504 deadline_exceeded
+└── GatewayError                                   (the gateway's own)
+    ├── Refusal                                    (no backend can take the request now; retried nowhere)
+    │   ├── NoBackend         503 no_backend           (none is registered for the model)
+    │   ├── NoHealthyBackend  503 no_healthy_backend   (all are failing their checks or ejected)
+    │   └── NoCapacity        503 no_capacity          (all are at their max_concurrency)
+    ├── BackendUnavailable    502 backend_unavailable  (every attempt failed)
+    ├── BadBackendResponse    502 bad_backend_response (a JSON-only backend's answer could not be translated back)
+    └── DeadlineExceeded      504 deadline_exceeded
 
 Each is answered as the rest of the control plane answers errors: `{"error": code, "message": text, "details": ...}`,
 with the code also in the `spillway-reason` header.
@@ -20,35 +23,31 @@ with the code also in the `spillway-reason` header.
 
 from __future__ import annotations
 
-from controlplane.errors import SpillwayError
+from controlplane.errors import Forbidden, InvalidRequest, PayloadTooLarge, SpillwayError, Unauthenticated
+
+__all__ = [
+    "BackendUnavailable",
+    "BadBackendResponse",
+    "DeadlineExceeded",
+    "Forbidden",
+    "GatewayError",
+    "InvalidModelName",
+    "InvalidRequest",
+    "NoBackend",
+    "NoCapacity",
+    "NoHealthyBackend",
+    "PayloadTooLarge",
+    "Refusal",
+    "Unauthenticated",
+]
 
 
 class GatewayError(SpillwayError):
-    """An answer of the gateway's own, in the control plane's error shape (`{"error", "message", "details"}`)."""
-
-
-class Unauthenticated(GatewayError):
-    status_code = 401
-    code = "unauthenticated"
-
-
-class Forbidden(GatewayError):
-    status_code = 403
-    code = "forbidden"
-
-
-class InvalidRequest(GatewayError):
-    status_code = 400
-    code = "invalid_request"
+    """A refusal of the gateway's own, in the control plane's error shape (`{"error", "message", "details"}`)."""
 
 
 class InvalidModelName(InvalidRequest):
     code = "invalid_model_name"
-
-
-class PayloadTooLarge(GatewayError):
-    status_code = 413
-    code = "payload_too_large"
 
 
 class Refusal(GatewayError):

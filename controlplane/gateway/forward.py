@@ -23,26 +23,20 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import Message, Receive, Scope, Send
 
 from controlplane.db.models import utcnow
+from controlplane.errors import InvalidRequest, SpillwayError
 from controlplane.gateway.backend import BackendSpec, BackendState
 from controlplane.gateway.budget import RetryBudget
 from controlplane.gateway.catalog import BackendCatalog
 from controlplane.gateway.config import GatewayConfig
-from controlplane.gateway.deadline import deadline_us, header_length, timeout_header_us, timeout_parameter_us
-from controlplane.gateway.errors import (
-    BackendUnavailable,
-    BadBackendResponse,
-    DeadlineExceeded,
-    GatewayError,
-    InvalidRequest,
-    PayloadTooLarge,
-    Refusal,
-)
+from controlplane.gateway.deadline import deadline_us, header_length, read_body, timeout_header_us, timeout_parameter_us
+from controlplane.gateway.errors import BackendUnavailable, BadBackendResponse, DeadlineExceeded, Refusal
 from controlplane.gateway.eventlog import EventLog
 from controlplane.gateway.health import ReadinessChecker
 from controlplane.gateway.pool import BackendPool
 from controlplane.gateway.tokens import AgentTokens, TokenCache
 from controlplane.gateway.translate import Translated, TranslationError, request_to_json, response_from_json
 from controlplane.monitoring import GatewayMetrics
+from spillway.contract.v2 import ClientGone
 
 log = logging.getLogger("spillway.controlplane.gateway")
 
@@ -91,10 +85,6 @@ class _Failure:
     status: int | None = None
     body: bytes = b""
     headers: tuple[tuple[bytes, bytes], ...] = ()
-
-
-class _ClientGone(Exception):
-    pass
 
 
 class _Instruments:
@@ -238,15 +228,15 @@ class Gateway:
 
         try:
             await self._serve(scope, receive, tracking, model, version)
-        except _ClientGone:
+        except ClientGone:
             return
-        except GatewayError as exc:
+        except SpillwayError as exc:
             if not sent:
                 await self._refuse(send, exc)
         except Exception:
             log.exception("gateway: unexpected error on %s", scope["path"])
             if not sent:
-                await self._refuse(send, GatewayError("internal error; the server log has the details"))
+                await self._refuse(send, SpillwayError("internal error; the server log has the details"))
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None) -> None:
         authorization = content_type = ihcl = timeout = declared = accept_encoding = content_encoding = None
@@ -268,7 +258,7 @@ class Gateway:
         await self.tokens.check(authorization)
         if version is not None and not _VERSION.match(version):
             raise InvalidRequest(f"version: '{version[:64]}' is not a version (letters, digits, '.', '_', '-')")
-        body = await self._read_body(receive, declared)
+        body = await read_body(receive, declared, self.config.max_body_bytes)
         length = header_length(ihcl, len(body))
         compressed = content_encoding is not None and content_encoding.strip().lower() != b"identity"
         parameter = None
@@ -434,27 +424,7 @@ class Gateway:
         message = f"{attempts} attempt{'s' if attempts > 1 else ''} failed and {why}; the last: {last.message}"
         raise BackendUnavailable(message, _details(last, attempts))
 
-    async def _read_body(self, receive: Receive, declared: bytes | None) -> bytes:
-        limit = self.config.max_body_bytes
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes", {"max_bytes": limit})
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body exceeds {limit} bytes", {"max_bytes": limit})
-            if chunk:
-                chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    async def _refuse(self, send: Send, exc: GatewayError) -> None:
+    async def _refuse(self, send: Send, exc: SpillwayError) -> None:
         self.metrics.rejected.labels(exc.code).inc()
         body = orjson.dumps({"error": exc.code, "message": exc.message, "details": exc.details})
         headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode()),

@@ -14,8 +14,7 @@ from anyio import to_thread
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.api.auth import Principal, authenticate, authorize_agent
-from controlplane.errors import Unauthenticated as ApiUnauthenticated
-from controlplane.gateway.errors import Forbidden, Unauthenticated
+from controlplane.errors import Forbidden, Unauthenticated
 
 
 def credential_key(authorization: bytes) -> bytes:
@@ -68,10 +67,7 @@ class AgentTokens:
         key = credential_key(authorization)
         principal = self.cache.get(key)
         if principal is None:
-            try:
-                principal = await to_thread.run_sync(self._resolve, authorization.decode("latin-1"))
-            except ApiUnauthenticated as exc:
-                raise Unauthenticated(exc.message) from None
+            principal = await to_thread.run_sync(self._resolve, authorization.decode("latin-1"))
             self.cache.put(key, principal)
         if principal.kind != "agent":
             raise Forbidden("the gateway is for agents: send an agent token, not an operator's API key")

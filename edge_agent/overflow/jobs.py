@@ -43,6 +43,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from edge_agent.errors import AgentError
+
 QUEUED = "queued"
 RUNNING = "running"
 DONE = "done"
@@ -88,17 +90,18 @@ _COLUMNS = ("id, model, version, status, created_at, expires_at, started_at, fin
 _EXPIRED_ERROR = "expired before it could run"
 
 
-class QueueFull(Exception):
+class QueueFull(AgentError):
     """The store already holds `max_jobs` jobs queued or running."""
 
 
-class JobNotRunning(LookupError):
+class JobNotRunning(AgentError, LookupError):
     """finish, fail or requeue of a job that is not running: unknown, never claimed, or already ended."""
 
 
-class StoreUnavailable(Exception):
+class StoreUnavailable(AgentError):
     """The database refused a read or a write; nothing was changed. `reason` is the stable code a client is told."""
 
+    status = 503
     reason = "async_storage_unavailable"
 
 

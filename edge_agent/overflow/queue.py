@@ -246,7 +246,7 @@ class AsyncQueue:
             raise _Unservable(f"the request cannot be served any more: {exc}") from None
         lowest = len(model.worker.scheduler.config.levels)
         inputs = {i.name: i.array for i in request.inputs}
-        served = model.worker.admit(inputs, rows, lowest, None, counted=False)
+        served = model.worker.admit(inputs, rows, lowest, None)  # counted once already, when it was accepted
         requested = None if request.outputs is None else [RequestedOutput(o.name, False) for o in request.outputs]
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[bytes] = loop.create_future()

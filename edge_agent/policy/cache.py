@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from edge_agent.errors import AgentError
 from spillway.contract.policy import PolicyDocument
 
 log = logging.getLogger("spillway.agent.policy")
@@ -22,11 +23,11 @@ log = logging.getLogger("spillway.agent.policy")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
-class CacheUnreadable(ValueError):
+class CacheUnreadable(AgentError, ValueError):
     """The cache file exists but holds no usable document; the message says why."""
 
 
-class CacheUnwritable(Exception):
+class CacheUnwritable(AgentError):
     """The disk refused the new document (`full`: no space left); the old file, if any, is untouched."""
 
     def __init__(self, message: str, *, full: bool) -> None:

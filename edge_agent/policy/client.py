@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 from pydantic import ValidationError
 
+from edge_agent.errors import AgentError
 from edge_agent.failures import FailureStreak
 from edge_agent.policy.apply import PolicyApplier, isoformat_utc
 from spillway.contract.policy import parse
@@ -37,7 +38,7 @@ MAX_DOCUMENT_BYTES = 1 << 20
 RETRY_REFUSED_AFTER_S = 60.0
 
 
-class PollFailed(Exception):
+class PollFailed(AgentError):
     """One poll got no usable answer; the message says why."""
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from edge_agent.errors import AgentError
 from edge_agent.runtime.repository import UnknownModelError, version_on_disk
 from spillway.contract.policy import Fallback, Overflow, PolicyDocument, Shed
 from spillway.contract.spec import ModelConfig, ModelVersion
@@ -27,7 +28,7 @@ Source = Literal["control_plane", "cache", "local"]
 Admission = Literal["serve", "overflow", "shed", "fallback"]
 
 
-class PolicyRefused(ValueError):
+class PolicyRefused(AgentError, ValueError):
     """A policy document the agent will not apply; the message says why. The last good policy stays."""
 
 

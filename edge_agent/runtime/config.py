@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from google.protobuf import json_format, text_format
 
+from edge_agent.errors import AgentError
 from spillway.contract.spec import (
     DynamicBatching,
     ModelConfig,
@@ -71,7 +72,7 @@ _UNSUPPORTED_TENSOR_FIELDS = ("reshape", "is_shape_tensor", "allow_ragged_batch"
 _UNSUPPORTED_INSTANCE_FIELDS = ("rate_limiter", "gpus", "secondary_devices", "profile", "passive", "host_policy")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(AgentError, ValueError):
     """A model config or model file the agent refuses to serve; the message names the file and the field."""
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 
+from edge_agent.errors import AgentError
+
 MiB = 2**20
 
 
-class GpuMemoryError(RuntimeError):
+class GpuMemoryError(AgentError, RuntimeError):
     """A model would not fit in the GPU memory that is free (or in the arena it is allowed)."""
 
 

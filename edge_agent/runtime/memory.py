@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from edge_agent.errors import AgentError
 from edge_agent.runtime import gpu
 from spillway.contract.spec import ModelVersion
 
@@ -19,7 +20,7 @@ LOAD_FACTOR = 1.5
 _GPU_PROVIDERS = frozenset({"TensorrtExecutionProvider", "CUDAExecutionProvider"})
 
 
-class HostMemoryError(RuntimeError):
+class HostMemoryError(AgentError, RuntimeError):
     """A model version would not fit in the host memory that is available."""
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edge_agent.errors import AgentError
 from edge_agent.runtime.config import MODEL_FILENAMES, ModelConfigError, load_model_config
 from spillway.contract.spec import ModelConfig, ModelVersion, TensorSpec, VersionPolicy
 
@@ -37,8 +38,11 @@ _ONNX_DATATYPES = {
 }
 
 
-class UnknownModelError(LookupError):
+class UnknownModelError(AgentError, LookupError):
     """No served model (or version) by that name: the API answers 404."""
+
+    status = 404
+    reason = "unknown_model"
 
 
 @dataclass(frozen=True)

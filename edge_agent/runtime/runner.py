@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edge_agent.errors import AgentError
 from edge_agent.runtime import gpu
 from edge_agent.runtime.profile import ComputeProfile
 from spillway.contract.spec import ModelVersion
@@ -41,7 +42,7 @@ NUMPY_DTYPES: dict[str, Any] = {
 }
 
 
-class RunnerError(RuntimeError):
+class RunnerError(AgentError, RuntimeError):
     """A model version this runner cannot load (wrong platform, no usable provider)."""
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+log = logging.getLogger("spillway.agent")
 
 
 class StatsListener(Protocol):
@@ -92,3 +95,41 @@ class ModelStats:
             ],
             "outcomes": [{"priority": p, "outcome": o, "count": n} for (p, o), n in sorted(self.outcomes.items())],
         }
+
+
+class RequestOutcome:
+    """The one recorder of one request's outcome: whichever way the request ends (served here, refused, failed,
+    overflowed, a fallback, a job accepted), exactly one of these methods counts it, in `stats` (and so in the
+    telemetry). A second call is a bug of ours: it is logged and not counted, so the counts stay equal to the
+    requests. `level` is 0 until the request's priority is resolved (a request refused before that)."""
+
+    __slots__ = ("arrived", "level", "recorded", "stats")
+
+    def __init__(self, stats: ModelStats, level: int = 0, arrived: float | None = None) -> None:
+        self.stats = stats
+        self.level = level
+        self.arrived = time.monotonic() if arrived is None else arrived
+        self.recorded: str | None = None
+
+    def _first(self, outcome: str) -> bool:
+        if self.recorded is not None:
+            log.error("a request counted twice: %s, then %s (a bug; the second is not counted)", self.recorded, outcome)
+            return False
+        self.recorded = outcome
+        return True
+
+    def ran(self, outcome: str, queue_s: float, compute_s: float, total_s: float) -> None:
+        """It reached the scheduler: served here (`local`), failed in its batch (`error`) or timed out queued
+        (`rejected`), with its queue, compute and total times."""
+        if self._first(outcome):
+            self.stats.request(self.level, outcome, queue_s, compute_s, total_s)
+
+    def answered(self, outcome: str) -> None:
+        """Answered without running here (overflow, a fallback, a job accepted): its time since arrival."""
+        if self._first(outcome):
+            self.stats.answered(self.level, outcome, time.monotonic() - self.arrived)
+
+    def refused(self, outcome: str = "rejected") -> None:
+        """Refused at once (or an error of ours before any work): counted, with no duration."""
+        if self._first(outcome):
+            self.stats.outcome(self.level, outcome)

@@ -13,8 +13,10 @@ from typing import Protocol
 
 import numpy as np
 
+from edge_agent.errors import AgentError
 from edge_agent.scheduling.core import Batch, Pending, Rejection, Scheduler
-from edge_agent.scheduling.stats import ModelStats
+from edge_agent.scheduling.stats import ModelStats, RequestOutcome
+from spillway.contract.names import ERROR, LOCAL, REJECTED
 
 
 class BatchRunner(Protocol):
@@ -27,16 +29,25 @@ class Profile(Protocol):
     def observe(self, batch_size: int, seconds: float) -> None: ...
 
 
-class Refused(Exception):
-    """The scheduler would not (or could no longer) serve the request; carries the reason."""
+class Refused(AgentError):
+    """The scheduler would not (or could no longer) serve the request; carries the reason. `waited_s`: how long it
+    was queued (0 when refused at admission)."""
 
-    def __init__(self, rejection: Rejection) -> None:
+    status = 503
+
+    def __init__(self, rejection: Rejection, waited_s: float = 0.0) -> None:
         super().__init__(rejection.message)
         self.rejection = rejection
+        self.reason = rejection.reason
+        self.waited_s = waited_s
 
 
-class ExecutionFailed(Exception):
-    """The model run failed for the whole batch this request was in."""
+class ExecutionFailed(AgentError):
+    """The model run failed for the whole batch this request was in; with the request's times."""
+
+    def __init__(self, message: str, queue_s: float = 0.0, compute_s: float = 0.0, total_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.queue_s, self.compute_s, self.total_s = queue_s, compute_s, total_s
 
 
 @dataclass
@@ -45,6 +56,7 @@ class Served:
     queue_s: float
     compute_s: float
     batch_rows: int
+    total_s: float = 0.0  # admission to result
 
 
 @dataclass(eq=False)
@@ -53,7 +65,6 @@ class _Job:
     future: asyncio.Future[Served]
     priority: int
     dispatched: float = 0.0
-    counted: bool = True  # False: its outcome is counted elsewhere (an async job accepted earlier)
 
 
 @dataclass(eq=False)
@@ -105,37 +116,49 @@ class ModelWorker:
         self._idle = asyncio.Event()
 
     async def infer(self, inputs: dict[str, np.ndarray], rows: int, priority: int, timeout_s: float | None) -> Served:
-        """Queue one request and wait for its result. Raises Refused, ExecutionFailed or ValueError (bad priority)."""
-        return await self.admit(inputs, rows, priority, timeout_s)
+        """Queue one request, wait for its result and count its outcome. Raises Refused, ExecutionFailed or
+        ValueError (bad priority)."""
+        outcome = RequestOutcome(self.stats, self.scheduler.resolve_level(priority))
+        try:
+            future = self.admit(inputs, rows, priority, timeout_s)
+        except Refused:
+            outcome.refused()
+            raise
+        return await self.result(future, outcome)
+
+    @staticmethod
+    async def result(future: asyncio.Future[Served], outcome: RequestOutcome) -> Served:
+        """Wait for an admitted request's result and count it in `outcome`: `local`, `error`, or `rejected` when it
+        timed out in the queue."""
+        try:
+            served = await future
+        except Refused as exc:
+            outcome.ran(REJECTED, exc.waited_s, 0.0, exc.waited_s)
+            raise
+        except ExecutionFailed as exc:
+            outcome.ran(ERROR, exc.queue_s, exc.compute_s, exc.total_s)
+            raise
+        outcome.ran(LOCAL, served.queue_s, served.compute_s, served.total_s)
+        return served
 
     def admit(
-        self,
-        inputs: dict[str, np.ndarray],
-        rows: int,
-        priority: int,
-        timeout_s: float | None,
-        *,
-        count_refused: bool = True,
-        counted: bool = True,
+        self, inputs: dict[str, np.ndarray], rows: int, priority: int, timeout_s: float | None
     ) -> asyncio.Future[Served]:
         """Queue one request now (no await in between), or raise Refused at once; the future is its result.
 
-        count_refused=False: a refusal here is not counted, because the caller gives the request another outcome
-        (overflow) or counts it itself; counted=False: its outcome is not counted at all (a job the agent accepted,
-        and counted, earlier). Raises Refused or ValueError (bad priority); the future may fail with
-        Refused (timed out in the queue) or ExecutionFailed.
+        Counts nothing: the caller records the request's one outcome (`result` does, for a local run). Raises
+        Refused or ValueError (bad priority, or more rows than a batch); the future may fail with Refused (timed
+        out in the queue) or ExecutionFailed.
         """
         self._loop = self._loop or asyncio.get_running_loop()
         now = self._clock()
         level = self.scheduler.resolve_level(priority)
-        job = _Job(inputs, self._loop.create_future(), level, counted=counted)
+        job = _Job(inputs, self._loop.create_future(), level)
         deadline = self.scheduler.deadline_for(level, now, timeout_s)
         shape = tuple((name, a.shape[1:]) for name, a in inputs.items()) if self.batching else None
         pending = Pending(rows=rows, level=level, arrival=now, deadline=deadline, payload=job, shape=shape)
         refused = self.scheduler.admit(pending, now)
         if refused is not None:
-            if count_refused and counted:
-                self.stats.outcome(level, "rejected")
             raise Refused(refused)
         self._idle.clear()
         self._pump()
@@ -151,12 +174,10 @@ class ModelWorker:
         step = self.scheduler.step(now)
         for pending in step.expired:
             job = pending.payload
-            if job.counted:
-                self.stats.request(job.priority, "rejected", now - pending.arrival, 0.0, now - pending.arrival)
             if not job.future.done():
-                waited = (now - pending.arrival) * 1e3
+                waited = now - pending.arrival
                 job.future.set_exception(
-                    Refused(Rejection("timeout", f"timed out after {waited:.1f} ms in the queue", 1.0))
+                    Refused(Rejection("timeout", f"timed out after {waited * 1e3:.1f} ms in the queue", 1.0), waited)
                 )
         for batch in step.dispatch:
             instance = self._free.pop()
@@ -224,18 +245,16 @@ class ModelWorker:
         self.stats.batch(batch.rows, result.compute_s, ok=result.error is None)
         for i, pending in enumerate(batch.requests):
             job: _Job = pending.payload
-            queue_s = job.dispatched - pending.arrival
+            queue_s, total_s = job.dispatched - pending.arrival, now - pending.arrival
+            if job.future.done():  # its caller gave up on it
+                continue
             if result.error is not None:
-                if job.counted:
-                    self.stats.request(job.priority, "error", queue_s, result.compute_s, now - pending.arrival)
-                if not job.future.done():
-                    job.future.set_exception(ExecutionFailed(f"inference failed: {result.error}"))
+                job.future.set_exception(
+                    ExecutionFailed(f"inference failed: {result.error}", queue_s, result.compute_s, total_s)
+                )
                 continue
             assert result.outputs is not None
-            if job.counted:
-                self.stats.request(job.priority, "local", queue_s, result.compute_s, now - pending.arrival)
-            if not job.future.done():
-                job.future.set_result(Served(result.outputs[i], queue_s, result.compute_s, batch.rows))
+            job.future.set_result(Served(result.outputs[i], queue_s, result.compute_s, batch.rows, total_s))
         self._pump()
 
     def retune(self, *, max_queue_delay_s: float | None, preferred_batch_sizes: tuple[int, ...] | None) -> None:

@@ -709,3 +709,104 @@ def with_parameters(body: bytes, header_length: int | None, extra: dict[str, Any
     if header_length is None:
         return new_head, None
     return new_head + body[header_length:], len(new_head)
+
+
+# ---- the request around the tensors: headers, scheduling parameters, the body ---------------------------------------
+# Both the agent and the gateway read requests with these, so that a header means the same on either side.
+
+
+class BodyTooLarge(ValueError):
+    """The request body is over the limit (said by Content-Length, or found while reading)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body exceeds {limit} bytes")
+        self.limit = limit
+
+
+class ClientGone(Exception):
+    """The client disconnected before its body arrived: nobody is left to answer."""
+
+
+def _shown(raw: bytes) -> str:
+    return raw[:40].decode("latin-1")
+
+
+def parse_header_length(raw: bytes | None, body_size: int) -> int | None:
+    """`Inference-Header-Content-Length`: the JSON part's length in a binary request (None: the body is all JSON)."""
+    if raw is None:
+        return None
+    text = raw.strip()
+    if not text.isdigit() or not 0 < int(text) <= body_size:
+        raise TensorError(
+            f"inference-header-content-length: must be a whole number of bytes from 1 to the body's {body_size}, "
+            f"got '{_shown(text)}'"
+        )
+    return int(text)
+
+
+def parse_timeout_budget_us(raw: bytes | None) -> int | None:
+    """`Spillway-Timeout-Us`: what is left of the deadline of a request that an edge agent overflowed, which the
+    gateway passes on, so that a cloud agent refuses at once what it cannot answer in time. At least 1 µs."""
+    if raw is None:
+        return None
+    text = raw.strip()
+    if not text.isdigit():
+        raise TensorError(f"spillway-timeout-us: must be a whole number of microseconds, got '{_shown(text)}'")
+    return max(int(text), 1)
+
+
+def scheduling_parameters(parameters: dict[str, Any]) -> tuple[int, int | None]:
+    """Triton's request parameters: `priority` (0: the model's default level) and `timeout` in microseconds (0 or
+    absent: none)."""
+    priority = parameters.get("priority", 0)
+    timeout = parameters.get("timeout")
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+        raise TensorError(f"parameter 'priority' must be a non-negative integer, got {priority!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0):
+        raise TensorError(f"parameter 'timeout' must be a non-negative integer of microseconds, got {timeout!r}")
+    return priority, (timeout or None)
+
+
+def request_parameters(json_head: bytes) -> dict[str, Any]:
+    """The `parameters` of a request, from its JSON (the whole body, or a binary request's header), without decoding
+    its tensors: what a proxy needs to read the deadline."""
+    try:
+        request = _json_loads(json_head)
+    except ValueError as exc:
+        raise TensorError(f"request JSON: not valid JSON ({exc})") from None
+    if not isinstance(request, dict):
+        raise TensorError(f"request JSON: must be an object, got {type(request).__name__}")
+    parameters = request.get("parameters")
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise TensorError("request JSON: 'parameters' must be an object")
+    return parameters
+
+
+def deadline_us(budget_us: int | None, timeout_us: int | None) -> int | None:
+    """The tighter of the budget header and the `timeout` parameter; None when the caller set neither."""
+    given = [t for t in (budget_us, timeout_us) if t is not None]
+    return min(given) if given else None
+
+
+async def read_body(receive: Callable[[], Any], declared: bytes | None, limit: int) -> bytes:
+    """An ASGI request's whole body, refused with BodyTooLarge as soon as it is known to exceed `limit` (from its
+    Content-Length, before reading anything); ClientGone when the client leaves first."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        if chunk:
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
