@@ -56,11 +56,7 @@ def condition_text(condition: dict[str, Any]) -> str:
 def action_text(action: dict[str, Any]) -> str:
     kind = action.get("kind")
     if kind == "tune_batching":
-        parts = []
-        if action.get("max_queue_delay_us") is not None:
-            parts.append(f"batch window {action['max_queue_delay_us']} µs")
-        if action.get("preferred_batch_sizes"):
-            parts.append(f"preferred sizes {action['preferred_batch_sizes']}")
+        parts = batching_parts(action, "batch window", "preferred sizes")
         return "tune batching: " + (", ".join(parts) or "as configured")
     if kind == "overflow":
         mode = action.get("mode", "deadline")
@@ -79,6 +75,17 @@ def action_text(action: dict[str, Any]) -> str:
     if kind == "fallback":
         return f"{action.get('mode', 'cache')} fallback for priority {action.get('priority_at_or_below')} and lower"
     return str(kind)
+
+
+def batching_parts(entry: dict[str, Any], window: str, sizes: str) -> list[str]:
+    """The batching an action or a policy entry sets (`max_queue_delay_us`, `preferred_batch_sizes`), named by
+    `window` and `sizes`; empty when it sets neither."""
+    parts = []
+    if entry.get("max_queue_delay_us") is not None:
+        parts.append(f"{window} {entry['max_queue_delay_us']} µs")
+    if entry.get("preferred_batch_sizes"):
+        parts.append(f"{sizes} {entry['preferred_batch_sizes']}")
+    return parts
 
 
 def rule_now(rule: dict[str, Any], states: list[dict[str, Any]]) -> str:
@@ -118,12 +125,7 @@ def selects(rule: dict[str, Any], agent: dict[str, Any]) -> bool:
 def policy_fields(model: dict[str, Any], rung: str) -> str | None:
     """What one model entry of a policy document says for one rung, or None when the rung is not in force."""
     if rung == "tune_batching":
-        parts = []
-        if model.get("max_queue_delay_us") is not None:
-            parts.append(f"window {model['max_queue_delay_us']} µs")
-        if model.get("preferred_batch_sizes"):
-            parts.append(f"sizes {model['preferred_batch_sizes']}")
-        return ", ".join(parts) or None
+        return ", ".join(batching_parts(model, "window", "sizes")) or None
     if rung == "overflow":
         return overflow_text(model.get("overflow"))
     if rung == "switch_variant":

@@ -10,6 +10,7 @@ import streamlit as st
 
 from dashboards import forms, session
 from dashboards.describe import clock, event_numbers, event_subject
+from dashboards.editor import Crud, crud
 from dashboards.gateway import gateway_rows, gateway_summary, gateway_view
 
 NO_GATEWAY_NOTE = (
@@ -25,7 +26,7 @@ def render() -> None:
     session.flash()
     session.live(_overview)
     with session.guard():
-        _editing()
+        crud(BACKENDS)
 
 
 def _overview() -> None:
@@ -62,36 +63,10 @@ def _overview() -> None:
         st.caption("No backend events yet: changes, ejections, returns and readiness changes show here.")
 
 
-def _editing() -> None:
-    api = session.api()
-    disabled = not session.can_edit()
-    st.header("Edit")
-    session.read_only_note()
-    backends = api.list_all("backends")
-    create, edit = st.tabs(["Add a backend", "Edit or delete a backend"])
-    with create:
-        key = session.fresh_key("backend-create")
-        build_new = forms.backend_form(key, None, disabled)
-        if build_new is not None:
-            session.submit(key, lambda: api.create("backends", build_new()), "Backend added.", reset="backend-create")
-    with edit:
-        if not backends:
-            st.caption("No backends to edit.")
-            return
-        by_name = {b["name"]: b for b in backends}
-        name = st.selectbox("Backend", sorted(by_name), key="backend_edit_pick")
-        ident = by_name[name]["id"]
-        current, etag = session.opened("backends", ident)
-        key = f"backend-edit-{ident}-{current['version']}"
-        build = forms.backend_form(key, current, disabled)
-        if build is not None:
-            session.submit(key, lambda: api.patch("backends", ident, build(), etag), f"Backend {name} saved.",
-                           edited=("backends", ident))  # fmt: skip
-        session.reload_button("backends", ident, key, by_name[name]["version"])
-        sure = st.checkbox(f"Yes, delete {name}", key=f"backend-delete-sure-{ident}", disabled=disabled)
-        if st.button("Delete backend", disabled=disabled or not sure, key=f"backend-delete-{ident}"):
-            session.submit(key, lambda: api.delete("backends", ident, etag), f"Backend {name} deleted.",
-                           edited=("backends", ident))  # fmt: skip
+BACKENDS = Crud(
+    kind="backends", prefix="backend", noun="Backend", create_tab="Add a backend", edit_tab="Edit or delete a backend",
+    created="Backend added.", empty="No backends to edit.", delete_button="Delete backend", form=forms.backend_form,
+)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -104,13 +104,8 @@ def _device(agent_id: str, window: str) -> None:
     history = log.long()
     latency = history[history["series"].str.contains(r" p\d\d$", regex=True)]
     queue = history[history["series"].str.endswith(" queue")]
-    left, right = st.columns(2)
-    with left:
-        if len(latency):
-            st.altair_chart(charts.lines(latency, "Latency percentiles over time (sampled)", "ms"), width="stretch")
-    with right:
-        if len(queue):
-            st.altair_chart(charts.lines(queue, "Queue depth over time (sampled)", "requests"), width="stretch")
+    _side_by_side((latency, "Latency percentiles over time (sampled)", "ms"),
+                  (queue, "Queue depth over time (sampled)", "requests"))  # fmt: skip
 
     if metrics["batches"]:
         st.subheader("Batch sizes")
@@ -127,13 +122,7 @@ def _device(agent_id: str, window: str) -> None:
         memory = device_history[device_history["series"].str.startswith("hw.gpu.memory")].assign(
             value=lambda f: f["value"] / 2**30
         )
-        left, right = st.columns(2)
-        with left:
-            if len(memory):
-                st.altair_chart(charts.lines(memory, "GPU memory (GiB, sampled)", "GiB"), width="stretch")
-        with right:
-            if len(temperature):
-                st.altair_chart(charts.lines(temperature, "Temperature (°C, sampled)", "°C"), width="stretch")
+        _side_by_side((memory, "GPU memory (GiB, sampled)", "GiB"), (temperature, "Temperature (°C, sampled)", "°C"))
 
     st.subheader(f"Policy v{policy.get('version')}")
     models = policy.get("models") or {}
@@ -162,6 +151,14 @@ def _device(agent_id: str, window: str) -> None:
         st.dataframe(pd.DataFrame(rows), hide_index=True)
     else:
         st.caption("No events for this agent.")
+
+
+def _side_by_side(left: tuple[pd.DataFrame, str, str], right: tuple[pd.DataFrame, str, str]) -> None:
+    """Two sampled series' line charts (frame, title, unit) in two columns; an empty one leaves its column blank."""
+    for column, (frame, title, unit) in zip(st.columns(2), (left, right), strict=True):
+        with column:
+            if len(frame):
+                st.altair_chart(charts.lines(frame, title, unit), width="stretch")
 
 
 def _gauge_row(gauge: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from dashboards.describe import (
     rule_now,
     selector_text,
 )
+from dashboards.editor import Crud, Opened, crud
 
 
 def render() -> None:
@@ -26,7 +27,7 @@ def render() -> None:
     session.flash()
     session.live(_overview)
     with session.guard():
-        _editing()
+        crud(RULES)
 
 
 def _overview() -> None:
@@ -71,49 +72,28 @@ def _overview() -> None:
     st.caption(f"Policy v{policy.get('version')} of {by_id[ident]['name']}. Dry-run rules never reach a policy.")
 
 
-def _editing() -> None:
-    api = session.api()
-    disabled = not session.can_edit()
-    st.header("Edit")
-    session.read_only_note()
-    rules = api.list_all("rules")
-    slo_names = sorted(s["name"] for s in api.list_all("slos"))
-    manage, create = st.tabs(["Change a rule", "Create a rule"])
-    with create:
-        key = session.fresh_key("rule-create")
-        build_new = forms.rule_form(key, None, disabled, slo_names)
-        if build_new is not None:
-            session.submit(key, lambda: api.create("rules", build_new()), "Rule created.", reset="rule-create")
-    with manage:
-        if not rules:
-            st.caption("No rules to change.")
-            return
-        by_name = {r["name"]: r for r in rules}
-        name = st.selectbox("Rule", sorted(by_name), key="rule_edit_pick")
-        ident = by_name[name]["id"]
-        current, etag = session.opened("rules", ident)
-        version = current["version"]
-        toggles = st.columns(3)
-        enabled = toggles[0].toggle("Enabled", value=current["enabled"], key=f"rule-enabled-{ident}-{version}",
-                                    disabled=disabled)  # fmt: skip
-        dry_run = toggles[1].toggle("Dry run", value=current["dry_run"], key=f"rule-dry-{ident}-{version}",
-                                    disabled=disabled)  # fmt: skip
-        key = f"rule-edit-{ident}-{version}"
-        if enabled != current["enabled"] or dry_run != current["dry_run"]:
-            change = {"enabled": enabled, "dry_run": dry_run}
-            word = ("enabled" if enabled else "disabled") if enabled != current["enabled"] else (
-                "in dry run" if dry_run else "live (no longer dry run)")  # fmt: skip
-            session.submit(key, lambda: api.patch("rules", ident, change, etag), f"Rule {name} is now {word}.",
-                           edited=("rules", ident))  # fmt: skip
-        build = forms.rule_form(key, current, disabled, slo_names)
-        if build is not None:
-            session.submit(key, lambda: api.patch("rules", ident, build(), etag), f"Rule {name} saved.",
-                           edited=("rules", ident))  # fmt: skip
-        session.reload_button("rules", ident, key, by_name[name]["version"])
-        sure = st.checkbox(f"Yes, delete {name}", key=f"rule-delete-sure-{ident}", disabled=disabled)
-        if st.button("Delete rule", disabled=disabled or not sure, key=f"rule-delete-{ident}"):
-            session.submit(key, lambda: api.delete("rules", ident, etag), f"Rule {name} deleted.",
-                           edited=("rules", ident))  # fmt: skip
+def _switches(opened: Opened) -> None:
+    """An existing rule's enabled and dry-run switches, outside its form: flipping one saves it at once."""
+    current, ident, version = opened.current, opened.ident, opened.current["version"]
+    toggles = st.columns(3)
+    enabled = toggles[0].toggle("Enabled", value=current["enabled"], key=f"rule-enabled-{ident}-{version}",
+                                disabled=opened.disabled)  # fmt: skip
+    dry_run = toggles[1].toggle("Dry run", value=current["dry_run"], key=f"rule-dry-{ident}-{version}",
+                                disabled=opened.disabled)  # fmt: skip
+    if enabled != current["enabled"] or dry_run != current["dry_run"]:
+        change = {"enabled": enabled, "dry_run": dry_run}
+        word = ("enabled" if enabled else "disabled") if enabled != current["enabled"] else (
+            "in dry run" if dry_run else "live (no longer dry run)")  # fmt: skip
+        session.submit(opened.key, lambda: opened.api.patch("rules", ident, change, opened.etag),
+                       f"Rule {opened.name} is now {word}.", edited=("rules", ident))  # fmt: skip
+
+
+RULES = Crud(
+    kind="rules", prefix="rule", noun="Rule", create_tab="Create a rule", edit_tab="Change a rule",
+    created="Rule created.", empty="No rules to change.", delete_button="Delete rule", form=forms.rule_form,
+    form_args=lambda api: (sorted(s["name"] for s in api.list_all("slos")),), edit_first=True,
+    before_form=_switches,
+)  # fmt: skip
 
 
 if __name__ == "__main__":

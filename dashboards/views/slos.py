@@ -11,6 +11,7 @@ import streamlit as st
 from dashboards import charts, forms, session
 from dashboards.api import DashboardApiError, gather
 from dashboards.describe import clock, number, percent, ratio_percent, selector_text
+from dashboards.editor import Crud, crud
 from dashboards.history import sample_log
 
 
@@ -96,36 +97,15 @@ def _overview() -> None:
         } for p in per_agent]), hide_index=True)  # fmt: skip
 
 
+SLOS = Crud(
+    kind="slos", prefix="slo", noun="SLO", create_tab="Create an SLO", edit_tab="Edit or delete an SLO",
+    created="SLO created.", empty="No SLOs to edit.", delete_button="Delete SLO", form=forms.slo_form,
+)  # fmt: skip
+
+
 def _editing() -> None:
-    api = session.api()
-    disabled = not session.can_edit()
-    st.header("Edit")
-    session.read_only_note()
-    slos = api.list_all("slos")
-    create, edit = st.tabs(["Create an SLO", "Edit or delete an SLO"])
-    with create:
-        key = session.fresh_key("slo-create")
-        build_new = forms.slo_form(key, None, disabled)
-        if build_new is not None:
-            session.submit(key, lambda: api.create("slos", build_new()), "SLO created.", reset="slo-create")
-    with edit:
-        if not slos:
-            st.caption("No SLOs to edit.")
-            return
-        by_name = {s["name"]: s for s in slos}
-        name = st.selectbox("SLO", sorted(by_name), key="slo_edit_pick")
-        ident = by_name[name]["id"]
-        current, etag = session.opened("slos", ident)
-        key = f"slo-edit-{ident}-{current['version']}"
-        build = forms.slo_form(key, current, disabled)
-        if build is not None:
-            session.submit(key, lambda: api.patch("slos", ident, build(), etag), f"SLO {name} saved.",
-                           edited=("slos", ident))  # fmt: skip
-        session.reload_button("slos", ident, key, by_name[name]["version"])
-        sure = st.checkbox(f"Yes, delete {name}", key=f"slo-delete-sure-{ident}", disabled=disabled)
-        if st.button("Delete SLO", disabled=disabled or not sure, key=f"slo-delete-{ident}"):
-            session.submit(key, lambda: api.delete("slos", ident, etag), f"SLO {name} deleted.", edited=("slos", ident))
-    st.caption("OpenSLO import and export: the REST API does not offer them yet.")
+    if crud(SLOS):
+        st.caption("OpenSLO import and export: the REST API does not offer them yet.")
 
 
 if __name__ == "__main__":
