@@ -1,6 +1,5 @@
-"""Policy documents: what the control plane tells one agent to do, and how the agent applies them.
+"""Policy documents on the agent (the document itself is the shared contract, `spillway.contract.policy`): what one
+means for the served models (`plan`), applying it live (`apply`), polling the control plane (`client`), and the
+last good one on disk (`cache`). Imported by module; this package imports none of them."""
 
-`document` (the schema, shared with the control plane), `plan` (a document checked against the served models),
-`apply` (moving the running agent to a new policy), `cache` (the last good document on disk), `client` (polling
-the control plane). The package itself imports none of them, so the control plane can import the schema alone.
-"""
+__all__ = ["apply", "cache", "client", "plan"]
