@@ -20,12 +20,16 @@ from edge_agent.runtime.repository import UnknownModelError
 from edge_agent.serving.models import ModelRegistry
 from edge_agent.serving.pipeline import JOBS_PREFIX, InferencePipeline, PolicyGate, reject
 from edge_agent.serving.pipeline import respond as _respond
+from spillway.contract import names
 from spillway.contract.v2 import encode_error
 
 if TYPE_CHECKING:
     from edge_agent.overflow.queue import AsyncQueue
 
 log = logging.getLogger("spillway.agent")
+# The headers, as ASGI carries them (bytes, lower case).
+_H_JOB_STATUS = names.H_JOB_STATUS.encode()
+_H_RETRY_AFTER = names.H_RETRY_AFTER.encode()
 Scope = dict[str, Any]
 Receive = Any
 Send = Any
@@ -101,7 +105,7 @@ class InferenceApp:
             await _respond(send, 404, encode_error(str(exc)))
         except StoreUnavailable as exc:  # reading a job (or the status's job counts) from a store that refuses
             body = json.dumps({"error": str(exc), "reason": exc.reason}).encode()
-            await _respond(send, 503, body, extra=[(b"retry-after", str(STORE_UNAVAILABLE_RETRY_AFTER_S).encode())])
+            await _respond(send, 503, body, extra=[(_H_RETRY_AFTER, str(STORE_UNAVAILABLE_RETRY_AFTER_S).encode())])
 
     def _closing_when_draining(self, send: Send) -> Send:
         """Once draining, every answer closes its connection, so no client reuses one the agent will close."""
@@ -205,9 +209,9 @@ class InferenceApp:
             await _respond(send, 404, encode_error(f"no job {job_id!r} (unknown, or expired and removed)"))
             return
         body = job.json()
-        extra = [(b"spillway-job-status", job.status.encode())]
+        extra = [(_H_JOB_STATUS, job.status.encode())]
         if job.status in ("queued", "running"):
-            extra.append((b"retry-after", b"1"))
+            extra.append((_H_RETRY_AFTER, b"1"))
         await _respond(send, 200, json.dumps(body).encode(), extra=extra)
 
     # ---- inference: the pipeline (pipeline.py) ------------------------------------------------------------------

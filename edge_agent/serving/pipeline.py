@@ -61,6 +61,15 @@ if TYPE_CHECKING:
     from edge_agent.policy.plan import ModelPlan
 
 log = logging.getLogger("spillway.agent")
+# The headers, as ASGI carries them (bytes, lower case).
+_H_BACKEND = names.H_BACKEND.encode()
+_H_HEADER_LENGTH = names.H_HEADER_LENGTH.encode()
+_H_JOB_ID = names.H_JOB_ID.encode()
+_H_OUTCOME = names.H_OUTCOME.encode()
+_H_REASON = names.H_REASON.encode()
+_H_RETRY_AFTER = names.H_RETRY_AFTER.encode()
+_H_TIMEOUT_US = names.H_TIMEOUT_US.encode()
+_H_VARIANT = names.H_VARIANT.encode()
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Headers = list[tuple[bytes, bytes]]
@@ -172,7 +181,7 @@ class InferencePipeline:
             return None  # nobody is left to answer
         config = requested.config
         try:
-            header_length = parse_header_length(headers.get(b"inference-header-content-length"), len(body))
+            header_length = parse_header_length(headers.get(_H_HEADER_LENGTH), len(body))
             if len(body) > _INLINE_BYTES:  # a big body is decoded off the event loop, so it delays nobody
                 decoded = await asyncio.to_thread(decode_request, body, header_length)
             else:
@@ -181,7 +190,7 @@ class InferencePipeline:
                                    allow_non_finite=self.allow_non_finite)  # fmt: skip
             _check_requested_outputs(decoded.outputs, config)
             priority, timeout_us = scheduling_parameters(decoded.parameters)
-            budget_us = parse_timeout_budget_us(headers.get(b"spillway-timeout-us"))
+            budget_us = parse_timeout_budget_us(headers.get(_H_TIMEOUT_US))
         except ValueError as exc:  # TensorError, or a shape validate_inputs refuses
             await self._refuse(send, refused, 400, str(exc), "invalid_request")
             return None
@@ -193,7 +202,7 @@ class InferencePipeline:
         except UnknownModelError as exc:  # the version was unloaded while the body arrived
             await self._refuse(send, refused, 404, str(exc), "unknown_model")
             return None
-        extra = [(b"spillway-variant", str(model.version).encode())] if redirected else []
+        extra = [(_H_VARIANT, str(model.version).encode())] if redirected else []
         level = model.worker.scheduler.resolve_level(priority)
         return Request(path, body, headers, decoded, {i.name: i.array for i in decoded.inputs}, rows, priority,
                        timeout_s, model, extra, RequestOutcome(model.worker.stats, level))  # fmt: skip
@@ -221,7 +230,7 @@ class InferencePipeline:
         except ExecutionFailed as exc:
             outcome.ran(names.ERROR, exc.queue_s, exc.compute_s, exc.total_s)
             await respond(send, 500, _error_body(str(exc), names.ERROR),
-                           extra=[(b"spillway-outcome", b"error"), *request.extra])  # fmt: skip
+                           extra=[(_H_OUTCOME, b"error"), *request.extra])  # fmt: skip
             return
         model, inputs = request.model, request.inputs
         if self.responses is not None and sum(a.nbytes for a in inputs.values()) <= self.responses.capacity_bytes:
@@ -231,7 +240,7 @@ class InferencePipeline:
         def record() -> None:
             outcome.ran(names.LOCAL, served.queue_s, served.compute_s, served.total_s)
 
-        await self._send(send, request, served.outputs, [(b"spillway-outcome", b"local"), *request.extra],
+        await self._send(send, request, served.outputs, [(_H_OUTCOME, b"local"), *request.extra],
                          parameters=_LOCAL, offload=big, what=request.path, record=record)  # fmt: skip
 
     # ---- 3b. overflow, then the fallback chain --------------------------------------------------------------------
@@ -264,26 +273,26 @@ class InferencePipeline:
         remaining = None if deadline is None else deadline - time.monotonic()
         content_type = request.headers.get(b"content-type", b"application/json").decode("latin-1")
         forwarded_headers = {"content-type": content_type}
-        length = request.headers.get(b"inference-header-content-length")
+        length = request.headers.get(_H_HEADER_LENGTH)
         if length is not None:
-            forwarded_headers["inference-header-content-length"] = length.decode("latin-1")
+            forwarded_headers[names.H_HEADER_LENGTH] = length.decode("latin-1")
         result = await self.forwarder.forward(request.path, request.body, forwarded_headers, remaining)
         if not isinstance(result, Forwarded):
             await self._fallback_chain(send, request, result.reason, f"{why}; overflow failed: {result.message}",
                                        result.retry_after_s)  # fmt: skip
             return
-        body, header_length = result.body, _int_or_none(result.headers.get("inference-header-content-length"))
+        body, header_length = result.body, _int_or_none(result.headers.get(names.H_HEADER_LENGTH))
         try:
             body, header_length = with_parameters(body, header_length, {"spillway_outcome": names.OVERFLOW})
         except ValueError:
             log.warning("an overflow answer's JSON could not be read; passed on as it came")
-        headers = [(b"spillway-outcome", b"overflow"), *request.extra]
-        backend = result.headers.get("spillway-backend")
+        headers = [(_H_OUTCOME, b"overflow"), *request.extra]
+        backend = result.headers.get(names.H_BACKEND)
         if backend is not None:
-            headers.append((b"spillway-backend", backend.encode("latin-1")))
+            headers.append((_H_BACKEND, backend.encode("latin-1")))
         kind = b"application/json"
         if header_length is not None:
-            headers.append((b"inference-header-content-length", str(header_length).encode()))
+            headers.append((_H_HEADER_LENGTH, str(header_length).encode()))
             kind = b"application/octet-stream"
         request.outcome.answered(names.OVERFLOW)
         await respond(send, 200, body, content_type=kind, extra=headers)
@@ -294,7 +303,7 @@ class InferencePipeline:
         queue's disk refusing the job is `async_storage_full`)."""
         config = request.model.config
         parameters = {"spillway_reason": reason}
-        headers = [(b"spillway-reason", reason.encode())]
+        headers = [(_H_REASON, reason.encode())]
         found = self._cached(request)
         if found is not None:
             await self._send_fallback(send, request, found, names.FALLBACK_CACHE, parameters, headers)
@@ -305,7 +314,7 @@ class InferencePipeline:
             await self._send_fallback(send, request, outputs, names.FALLBACK_DEFAULT, parameters, headers)
             return
         if self.jobs is not None and self.jobs.accepts(config.name):
-            length = _int_or_none(request.headers.get(b"inference-header-content-length"))
+            length = _int_or_none(request.headers.get(_H_HEADER_LENGTH))
             try:
                 job = await self.jobs.submit(config.name, _version_in(request.path), request.body, length)
             except QueueFull:
@@ -318,8 +327,8 @@ class InferencePipeline:
                 body = {"id": job.id, "status": job.status, "model_name": config.name, "outcome": names.QUEUED_ASYNC,
                         "parameters": {"spillway_outcome": names.QUEUED_ASYNC, "spillway_reason": reason},
                         "location": location}  # fmt: skip
-                extra = [(b"spillway-outcome", b"queued_async"), (b"spillway-reason", reason.encode()),
-                         (b"spillway-job-id", job.id.encode()), (b"location", location.encode()),
+                extra = [(_H_OUTCOME, b"queued_async"), (_H_REASON, reason.encode()),
+                         (_H_JOB_ID, job.id.encode()), (b"location", location.encode()),
                          *request.extra]  # fmt: skip
                 request.outcome.answered(names.QUEUED_ASYNC)
                 await respond(send, 202, json.dumps(body).encode(), extra=extra)
@@ -354,7 +363,7 @@ class InferencePipeline:
 
     async def _send_fallback(self, send: Send, request: Request, outputs: dict[str, np.ndarray], outcome: str,
                              parameters: dict[str, Any], headers: Headers) -> None:  # fmt: skip
-        extra = [(b"spillway-outcome", outcome.encode()), *headers, *request.extra]
+        extra = [(_H_OUTCOME, outcome.encode()), *headers, *request.extra]
         await self._send(send, request, outputs, extra, parameters={"spillway_outcome": outcome, **parameters},
                          what="fallback", record=lambda: request.outcome.answered(outcome))  # fmt: skip
 
@@ -385,14 +394,14 @@ class InferencePipeline:
         if json_length is None:
             await respond(send, 200, payload, extra=extra)
         else:
-            extra = [*extra, (b"inference-header-content-length", str(json_length).encode())]
+            extra = [*extra, (_H_HEADER_LENGTH, str(json_length).encode())]
             await respond(send, 200, payload, content_type=b"application/octet-stream", extra=extra)
 
     async def _fail(self, send: Send, request: Request) -> None:
         """An error of ours: 500 with the outcome `error`, counted."""
         request.outcome.refused(names.ERROR)
         await respond(send, 500, _error_body("internal error; see the agent log", names.ERROR),
-                       extra=[(b"spillway-outcome", b"error"), *request.extra])  # fmt: skip
+                       extra=[(_H_OUTCOME, b"error"), *request.extra])  # fmt: skip
 
     @staticmethod
     async def _refuse(send: Send, outcome: RequestOutcome | None, status: int, message: str, reason: str, *,
@@ -401,7 +410,7 @@ class InferencePipeline:
         (Retry-After on a 503); counted in `outcome` unless the caller counts it (None)."""
         headers = list(extra or ())
         if retry_after_s is not None:
-            headers.insert(0, (b"retry-after", str(max(1, round(retry_after_s))).encode()))
+            headers.insert(0, (_H_RETRY_AFTER, str(max(1, round(retry_after_s))).encode()))
         if outcome is not None:
             outcome.refused()
         await reject(send, status, message, reason, extra=headers)
@@ -418,7 +427,7 @@ def _check_requested_outputs(requested: list[RequestedOutput] | None, config: Mo
 async def reject(send: Send, status: int, message: str, reason: str, extra: Headers | None = None) -> None:
     """The answer that is not a result: the outcome `rejected` and its reason, in the body and the headers."""
     body = json.dumps({"error": message, "reason": reason, "outcome": names.REJECTED}).encode()
-    headers = [(b"spillway-outcome", b"rejected"), (b"spillway-reason", reason.encode()), *(extra or [])]
+    headers = [(_H_OUTCOME, b"rejected"), (_H_REASON, reason.encode()), *(extra or [])]
     await respond(send, status, body, extra=headers)
 
 
