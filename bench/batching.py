@@ -23,25 +23,17 @@ The results go between markers in `docs/benchmarks.md` (text outside the markers
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import importlib.metadata
 import json
 import os
-import platform
-import re
-import resource
 import shlex
 import shutil
-import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,20 +42,18 @@ import numpy as np
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-sys.path.insert(0, str(BENCH))
-from load import OpenLoopResult, ceiling, free_port, run_open_subprocess, start_noop_server  # noqa: E402
-from mlserver_venv import MLSERVER_VENV, ensure_mlserver_venv  # noqa: E402
-from naive_server import session_options  # noqa: E402
-from procstat import cpu_seconds, loadavg, machine_busy_seconds, vm_hwm  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from bench import common  # noqa: E402
+from bench.common import VENV_BIN, WrkResult, free_port, http_json, log, median, run_wrk, write_lua  # noqa: E402
+from bench.load import OpenLoopResult, ceiling, run_open_subprocess, start_noop_server  # noqa: E402
+from bench.mlserver_venv import MLSERVER_VENV, ensure_mlserver_venv  # noqa: E402
+from bench.naive_server import session_options  # noqa: E402
+from bench.procstat import cpu_seconds, loadavg, machine_busy_seconds, vm_hwm  # noqa: E402
+from spillway.demo.harness import Process  # noqa: E402
 
-VENV_BIN = Path(sys.executable).parent
 BEGIN = "<!-- bench/batching.py: begin (generated; edit outside these markers) -->"
 END = "<!-- bench/batching.py: end -->"
 MiB = 1 << 20
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # ---- processes ------------------------------------------------------------------------------------
@@ -89,19 +79,13 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def http_json(url: str, body: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 30) -> Any:
-    request = urllib.request.Request(url, data=body, headers=headers or {}, method="POST" if body else "GET")
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
 @dataclass
 class Server:
     key: str
     label: str
     kind: str  # agent | naive | mlserver
     port: int
-    proc: subprocess.Popen[bytes]
+    proc: Process
     log_path: Path
     threads: str  # the thread budget, in words
     intra_op_threads: int
@@ -122,7 +106,7 @@ class Server:
     def batches(self) -> tuple[int, int] | None:
         """(executions, rows) so far, where the server tells."""
         if self.kind == "agent":
-            stats = http_json(f"http://127.0.0.1:{self.port}/v2/models/mlp/versions/1/stats")["model_stats"][0]
+            stats = http_json("GET", f"http://127.0.0.1:{self.port}/v2/models/mlp/versions/1/stats")["model_stats"][0]
             return int(stats["execution_count"]), int(stats["inference_count"])
         if self.kind == "mlserver" and self.stats_file is not None:
             text = self.stats_file.read_text().strip() if self.stats_file.exists() else ""
@@ -131,38 +115,17 @@ class Server:
         return None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        self.proc.stop()
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        self.proc.wait_ready(f"http://127.0.0.1:{self.port}/v2/health/ready", timeout_s=timeout_s, interval_s=0.3)
 
 
-def start_process(cmd: list[str], log_path: Path, cwd: Path | None = None, env: dict[str, str] | None = None):
-    log_file = log_path.open("wb")
-    return subprocess.Popen(  # its own process group: stopped as a whole, and only what this script started
-        cmd, cwd=cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-def wait_ready(server: Server, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    url = f"http://127.0.0.1:{server.port}/v2/health/ready"
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"{server.label} exited: see {server.log_path}\n{server.log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{server.label} not ready after {timeout_s:.0f} s: see {server.log_path}")
+def start_process(name: str, cmd: list[str], log_path: Path, cwd: Path | None = None,
+                  env: dict[str, str] | None = None) -> Process:  # fmt: skip
+    """In its own process group: stopped as a whole (SIGTERM, SIGKILL after 20 s), and only what this script
+    started."""
+    return Process.start(cmd, name=name, log=log_path, append=False, cwd=cwd, env=env, group=True, grace_s=20)
 
 
 def start_agent(repo: Path, work: Path, threads: int) -> Server:
@@ -173,9 +136,10 @@ def start_agent(repo: Path, work: Path, threads: int) -> Server:
     )
     log_path = work / f"agent-{threads}t.log"
     cmd = [str(VENV_BIN / "spillway"), "agent", "serve", "--config", str(config), "--log-level", "warning"]
-    proc = start_process(cmd, log_path)
+    label = f"agent (intra {threads})"
+    proc = start_process(label, cmd, log_path)
     words = f"onnxruntime intra-op {threads}, inter-op 1, no spinning; 1 instance (1 executor thread); event loop"
-    return Server(f"agent-{threads}t", f"agent (intra {threads})", "agent", port, proc, log_path, words, threads)
+    return Server(f"agent-{threads}t", label, "agent", port, proc, log_path, words, threads)
 
 
 def start_naive(model: Path, work: Path, threads: int) -> Server:
@@ -191,9 +155,10 @@ def start_naive(model: Path, work: Path, threads: int) -> Server:
         "--intra-op-threads",
         str(threads),
     ]
-    proc = start_process(cmd, log_path)
+    label = f"naive (intra {threads})"
+    proc = start_process(label, cmd, log_path)
     words = f"onnxruntime intra-op {threads}, inter-op 1, no spinning; Starlette thread pool (40); event loop"
-    return Server("naive", f"naive (intra {threads})", "naive", port, proc, log_path, words, threads)
+    return Server("naive", label, "naive", port, proc, log_path, words, threads)
 
 
 def start_mlserver(model: Path, work: Path, threads: int, workers: int, max_batch: int) -> Server:
@@ -216,86 +181,14 @@ def start_mlserver(model: Path, work: Path, threads: int, workers: int, max_batc
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env["PATH"] = f"{MLSERVER_VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     log_path = work / f"{key}.log"
-    proc = start_process([str(mlserver), "start", str(folder)], log_path, cwd=folder, env=env)
+    label = f"MLServer (workers {workers}, intra {threads}, batch {max_batch})"
+    proc = start_process(label, [str(mlserver), "start", str(folder)], log_path, cwd=folder, env=env)
     batch_ms = model_settings["max_batch_time"] * 1e3
     words = (
         f"onnxruntime intra-op {threads}, inter-op 1, no spinning; 1 executor thread; parallel_workers "
         f"{workers}; adaptive batching max_batch_size {max_batch}, max_batch_time {batch_ms:g} ms"
     )
-    label = f"MLServer (workers {workers}, intra {threads}, batch {max_batch})"
     return Server(key, label, "mlserver", port, proc, log_path, words, threads, stats_file)
-
-
-# ---- wrk ------------------------------------------------------------------------------------------
-
-LUA = """\
-local f = assert(io.open({body_path}, "rb"))
-wrk.method = "POST"
-wrk.body = f:read("*a")
-f:close()
-{headers}
-function done(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format(
-    'BENCHJSON {{"requests":%d,"duration_us":%d,"connect":%d,"read":%d,"write":%d,"status":%d,"timeout":%d,' ..
-    '"p50_us":%d,"p90_us":%d,"p99_us":%d,"mean_us":%.1f,"max_us":%d}}\\n',
-    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
-    latency:percentile(50.0), latency:percentile(90.0), latency:percentile(99.0), latency.mean, latency.max))
-end
-"""
-
-
-def write_lua(path: Path, body_path: Path, headers: dict[str, str]) -> Path:
-    lines = "\n".join(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in headers.items())
-    path.write_text(LUA.format(body_path=json.dumps(str(body_path)), headers=lines))
-    return path
-
-
-@dataclass
-class WrkResult:
-    requests: int
-    seconds: float
-    rps: float
-    p50_ms: float
-    p90_ms: float
-    p99_ms: float
-    non_2xx: int
-    socket_errors: int
-    client_cpu_s: float
-    non_2xx_line: str | None = None
-
-    @property
-    def valid(self) -> bool:
-        return self.non_2xx == 0 and self.socket_errors == 0 and self.requests > 0
-
-
-def run_wrk(url: str, lua: Path, connections: int, seconds: int) -> WrkResult:
-    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "--timeout", "10s", "-s", str(lua), url]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    data = None
-    non_2xx_line = None
-    for line in out.stdout.splitlines():
-        if line.startswith("BENCHJSON "):
-            data = json.loads(line[len("BENCHJSON ") :])
-        if "Non-2xx or 3xx responses" in line:
-            non_2xx_line = line.strip()
-    if data is None:
-        raise RuntimeError(f"wrk printed no summary:\n{out.stdout}\n{out.stderr}")
-    secs = data["duration_us"] / 1e6
-    return WrkResult(
-        requests=data["requests"],
-        seconds=secs,
-        rps=data["requests"] / secs,
-        p50_ms=data["p50_us"] / 1e3,
-        p90_ms=data["p90_us"] / 1e3,
-        p99_ms=data["p99_us"] / 1e3,
-        non_2xx=data["status"],
-        socket_errors=data["connect"] + data["read"] + data["write"] + data["timeout"],
-        client_cpu_s=(after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
-        non_2xx_line=non_2xx_line,
-    )
 
 
 # ---- measurements ---------------------------------------------------------------------------------
@@ -363,140 +256,32 @@ def raw_run_p50(model: Path, threads: int, x: np.ndarray, runs: int) -> tuple[fl
         start = time.perf_counter()
         session.run(None, feeds)
         samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples), samples
+    return median(samples), samples
 
 
 def profile_agent(server: Server, lua: Path, seconds: int, out: Path) -> tuple[WrkResult, Path]:
     """py-spy (non-blocking, all active threads) on the agent while wrk holds concurrency 64."""
-    py_spy = VENV_BIN / "py-spy"
-    if not py_spy.exists():
+    if not common.PY_SPY.exists():
         raise RuntimeError("py-spy is missing: .venv/bin/pip install py-spy")
     raw = out / f"py-spy-{server.key}.txt"
     wrk_proc = subprocess.Popen(
-        ["wrk", "-t1", "-c64", f"-d{seconds + 4}s", "--latency", "--timeout", "10s", "-s", str(lua), server.url()],
-        stdout=subprocess.PIPE,
-        text=True,
+        common.wrk_command(server.url(), lua, 64, seconds + 4), stdout=subprocess.PIPE, text=True
     )
     time.sleep(2)
-    subprocess.run(
-        [
-            str(py_spy),
-            "record",
-            "-d",
-            str(seconds),
-            "-r",
-            "200",
-            "--nonblocking",
-            "--threads",
-            "--format",
-            "raw",
-            "-o",
-            str(raw),
-            "-p",
-            str(server.proc.pid),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    subprocess.run(common.py_spy_command(server.proc.pid, seconds, raw), check=True, capture_output=True)
     stdout, _ = wrk_proc.communicate(timeout=seconds + 60)
-    data = json.loads(next(line for line in stdout.splitlines() if line.startswith("BENCHJSON "))[10:])
-    secs = data["duration_us"] / 1e6
-    result = WrkResult(
-        data["requests"],
-        secs,
-        data["requests"] / secs,
-        data["p50_us"] / 1e3,
-        data["p90_us"] / 1e3,
-        data["p99_us"] / 1e3,
-        data["status"],
-        data["connect"] + data["read"] + data["write"] + data["timeout"],
-        0.0,
-    )
-    return result, raw
-
-
-def _function(frame: str) -> str:
-    """'encode_response (tensors.py:571)' -> 'encode_response (tensors.py)': lines of one function together."""
-    return re.sub(r":\d+\)$", ")", frame)
-
-
-_ROOTS = ("Runner.run (asyncio/runners.py", "_worker (concurrent/futures/thread.py", "Thread.run (threading.py")
-
-
-def summarise_profile(raw: Path, seconds: int, rate: int = 200) -> dict[str, Any]:
-    """Samples per thread; functions by self time (innermost frame) and, per thread, by inclusive time."""
-    per_thread: Counter[str] = Counter()
-    self_time: Counter[tuple[str, str]] = Counter()
-    inclusive: dict[str, Counter[str]] = defaultdict(Counter)
-    stacks: dict[str, list[str]] = defaultdict(list)
-    for line in raw.read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        thread, *frames = stack.split(";")
-        if not frames:
-            continue
-        functions = [_function(f) for f in frames]
-        per_thread[thread] += count
-        self_time[(thread, functions[-1])] += count
-        # Inclusive time counts only below the thread's root (the event loop's or the executor's run loop).
-        roots = [i for i, f in enumerate(functions) if f.startswith(_ROOTS)]
-        for function in set(functions[roots[-1] + 1 if roots else 0 :]):
-            inclusive[thread][function] += count
-        stacks[thread].append(stack)
-    total = sum(per_thread.values())
-    names = {t: _thread_kind(t, stacks[t]) for t in per_thread}
-    busy_threads = {}
-    for thread, count in per_thread.most_common():
-        busy_threads[names[thread]] = {"samples": count, "inclusive": inclusive[thread].most_common(12)}
-    return {
-        "samples": total,
-        "expected_per_thread": seconds * rate,
-        "threads": busy_threads,
-        "top": [
-            {"thread": names[t], "function": f, "samples": n, "share": n / total if total else 0.0}
-            for (t, f), n in self_time.most_common(15)
-        ],
-    }
-
-
-def _thread_kind(thread: str, stacks: list[str]) -> str:
-    """Name a thread by what its stacks contain (py-spy gives its id and Python name)."""
-    joined = "\n".join(stacks)
-    if "infer-" in thread or "_run (edge_agent/scheduling/worker.py" in joined or "Session.run" in joined:
-        return f"inference executor, {thread}"
-    if "MainThread" in thread:
-        return f"event loop, {thread}"
-    return thread
+    return common.wrk_result(stdout), raw
 
 
 # ---- the run --------------------------------------------------------------------------------------
 
 
-def machine() -> dict[str, str]:
-    cpu = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    mem = next(
-        line.split(":", 1)[1].strip()
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("MemTotal")
-    )
+def machine_info() -> dict[str, str]:
     nproc = subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout.strip()
     wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.splitlines()[0]
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "edge_agent"], capture_output=True,
-                           text=True).stdout.strip()  # fmt: skip
     return {
-        "commit": commit.stdout.strip() + (" with uncommitted changes under edge_agent/" if dirty else ""),
-        "nproc": nproc,
-        "cpu": cpu,
-        "memory": mem,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
+        **common.machine(nproc=nproc),
+        "commit": common.revision("edge_agent"),
         "onnxruntime": importlib.metadata.version("onnxruntime"),
         "uvicorn": importlib.metadata.version("uvicorn"),
         "fastapi": importlib.metadata.version("fastapi"),
@@ -525,7 +310,7 @@ def make_bodies(work: Path, x: np.ndarray) -> dict[str, Path]:
 
 
 def check_outputs(server: Server, body: Path, expected: np.ndarray, version: int = 1) -> None:
-    answer = http_json(server.url(version), body.read_bytes(), {"Content-Type": "application/json"})
+    answer = http_json("POST", server.url(version), body.read_bytes())
     output = answer["outputs"][0]
     got = np.asarray(output["data"], dtype=np.float32).reshape(output["shape"])
     if not np.allclose(got, expected, rtol=1e-5, atol=1e-5):
@@ -603,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = dt.datetime.now(dt.timezone.utc)
     t_start = time.monotonic()
-    info = machine()
+    info = machine_info()
     info["loadavg_start"] = loadavg()
     info["bench_lock"] = "present" if Path("/tmp/bench.lock").exists() else "absent"
     ensure_mlserver_venv()
@@ -640,13 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for threads in settings.agent_threads:
             servers.append(start_agent(repo, work, threads))
-            wait_ready(servers[-1])
+            servers[-1].wait_ready()
         servers.append(start_naive(v1, work, settings.naive_threads))
-        wait_ready(servers[-1])
+        servers[-1].wait_ready()
         for workers in settings.mlserver_workers:
             for max_batch in settings.mlserver_batch:
                 servers.append(start_mlserver(v1, work, settings.mlserver_threads, workers, max_batch))
-                wait_ready(servers[-1])
+                servers[-1].wait_ready()
         for server in servers:
             check_outputs(server, bodies["json"], expected[1])
             log(f"{server.label} ready on port {server.port}, pid {server.proc.pid}; outputs match onnxruntime")
@@ -701,12 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         # Overhead on v2 at concurrency 1: raw session.run p50 (before and after), agent round trips between.
         overhead: dict[str, Any] = {}
         noop_port = free_port()
-        noop = start_noop_server(noop_port)
-        try:
+        with start_noop_server(noop_port):
             floor = run_wrk(f"http://127.0.0.1:{noop_port}/noop", lua_json, 1, settings.overhead_seconds)
-        finally:
-            noop.terminate()
-            noop.wait(10)
         overhead["noop_floor_p50_ms"] = floor.p50_ms
         for agent in agents:
             raw_before, samples_before = raw_run_p50(v2, agent.intra_op_threads, x, 3000)
@@ -714,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             trip_json = run_wrk(agent.url(2), lua_json, 1, settings.overhead_seconds)
             trip_binary = run_wrk(agent.url(2), lua_binary, 1, settings.overhead_seconds)
             raw_after, samples_after = raw_run_p50(v2, agent.intra_op_threads, x, 3000)
-            raw_p50 = statistics.median(samples_before + samples_after)
+            raw_p50 = median(samples_before + samples_after)
             overhead[agent.key] = {
                 "raw_p50_ms": raw_p50,
                 "raw_p50_before_ms": raw_before,
@@ -734,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         if settings.profile:
             log(f"py-spy on {primary.label} at c=64 for {settings.profile_seconds} s")
             wrk_during, raw = profile_agent(primary, lua_json, settings.profile_seconds, work)
-            profile = summarise_profile(raw, settings.profile_seconds)
+            profile = common.summarise_profile(raw, settings.profile_seconds)
             profile["raw"] = str(raw)
             profile["wrk_during"] = asdict(wrk_during)
             results["profile"] = profile
@@ -768,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
         shutil.rmtree(repo, ignore_errors=True)  # the generated models; results, logs and the profile stay
     print(markdown)
-    write_docs(settings.out, markdown)
+    common.write_docs(markdown, BEGIN, END, settings.out)
     log(f"wrote {settings.out}; raw results in {work / 'results.json'}")
     return 0
 
@@ -782,13 +563,13 @@ def aggregate(points: list[Point], servers: list[Server]) -> dict[tuple[str, int
         executions = sum(p.executions or 0 for p in group)
         rows = sum(p.rows or 0 for p in group)
         table[key] = {
-            "rps": statistics.median(p.wrk.rps for p in group),
-            "p50": statistics.median(p.wrk.p50_ms for p in group),
-            "p99": statistics.median(p.wrk.p99_ms for p in group),
+            "rps": median(p.wrk.rps for p in group),
+            "p50": median(p.wrk.p50_ms for p in group),
+            "p99": median(p.wrk.p99_ms for p in group),
             "rounds": [p.wrk.rps for p in group],
             "batch": rows / executions if executions else None,
-            "cpu": statistics.median(p.server_cpu_cores for p in group),
-            "client_cpu": statistics.median(p.wrk.client_cpu_s / p.wrk.seconds for p in group),
+            "cpu": median(p.server_cpu_cores for p in group),
+            "client_cpu": median(p.wrk.client_cpu_s / p.wrk.seconds for p in group),
             "other_cpu": max(p.other_cpu_cores for p in group),
             "rss": max(p.peak_rss for p in group),
             "valid": all(p.wrk.valid for p in group),
@@ -822,15 +603,14 @@ def render(
     command = shlex.join([".venv/bin/python", "bench/batching.py", *settings.argv])
     naive = next(s for s in servers if s.kind == "naive")
     mlservers = [s for s in servers if s.kind == "mlserver"]
-    out: list[str] = []
+    out = common.section_head(
+        BEGIN, "Batching: the agent against a naive server and MLServer (`mlp` v1)", command, started=started,
+        minutes=elapsed / 60, code=f"agent at commit {info['commit']}",
+        note=" (quick: a smoke test, not a result)" if settings.quick else "",
+    )  # fmt: skip
     add = out.append
-    add(BEGIN)
-    add("## Batching: the agent against a naive server and MLServer (`mlp` v1)")
-    add("")
-    add(f"- Command: `{command}`{' (quick: a smoke test, not a result)' if settings.quick else ''}")
-    add(f"- Date: {started:%Y-%m-%d %H:%M} UTC; the run took {elapsed / 60:.1f} min; agent at commit {info['commit']}")
     add(
-        f"- Machine: nproc {info['nproc']}, {info['cpu']}, {info['memory']}, Linux {info['kernel']}; load average "
+        f"- Machine: {common.machine_words(info)}; load average "
         f"{info['loadavg_start']} at the start, {info['loadavg_end']} at the end; /tmp/bench.lock "
         f"{info['bench_lock']} at the start"
     )
@@ -1000,22 +780,6 @@ def render(
     add(f"Raw results (every round, every point): `{work / 'results.json'}` on the machine that ran it.")
     add(END)
     return "\n".join(out)
-
-
-def write_docs(path: Path, markdown: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    header = (
-        "# Benchmarks\n\nHow these are measured, and why: `shared/BENCHMARKING.md` (beside this repository) "
-        "and `bench/README.md`.\n\n"
-    )
-    text = path.read_text() if path.exists() else header
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + markdown + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + markdown + "\n"
-    path.write_text(text)
 
 
 if __name__ == "__main__":

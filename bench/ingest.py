@@ -41,17 +41,13 @@ import datetime as dt
 import importlib.metadata
 import json
 import os
-import platform
 import random
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -62,22 +58,17 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT))
 
-from load import free_port  # noqa: E402
-from procstat import cpu_seconds, loadavg, machine_busy_seconds, vm_hwm  # noqa: E402
+from bench import common  # noqa: E402
+from bench.common import DOCS, VENV_BIN, free_port, log, median, percentile  # noqa: E402
+from bench.procstat import cpu_seconds, loadavg, machine_busy_seconds, vm_hwm  # noqa: E402
+from spillway.demo.harness import Process  # noqa: E402
 
-VENV_BIN = Path(sys.executable).parent
 BEGIN = "<!-- bench/ingest.py: begin (generated; edit outside these markers) -->"
 END = "<!-- bench/ingest.py: end -->"
-DOCS = ROOT / "docs" / "benchmarks.md"
 PRIORITIES = (1, 2, 3)
 RETRY_503_S = 0.01
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -254,7 +245,7 @@ class ControlPlane:
     tree: Tree
     url: str
     admin_key: str
-    proc: subprocess.Popen[bytes]
+    proc: Process
     log_path: Path
     env: dict[str, str]
     agents: list[tuple[str, str]] = field(default_factory=list)  # (agent id, token)
@@ -275,21 +266,6 @@ class ControlPlane:
                 self.agents.append((created["agent"]["id"], created["token"]))
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the control plane exited:\n{log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/readyz", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the control plane was not ready after {timeout_s:.0f} s: see {log_path}")
-
-
 @contextlib.contextmanager
 def control_plane(db: Database, tree: Tree, settings: Settings, work: Path) -> Iterator[ControlPlane]:
     """Migrate, make an admin key, and serve on one core; stopped (SIGTERM to its own process group) on exit."""
@@ -306,26 +282,14 @@ def control_plane(db: Database, tree: Tree, settings: Settings, work: Path) -> I
     spillway("controlplane", "migrate", env=env)
     admin_key = spillway("controlplane", "create-key", "--role", "admin", "--name", "bench", env=env)
     log_path = work / f"controlplane-{db.name}.log"
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(  # its own process group: stopped as a whole, and only what this script started
-            ["taskset", "-c", str(settings.server_core), str(VENV_BIN / "spillway"), "controlplane", "serve",
-             "--no-migrate"],
-            env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    command = ["taskset", "-c", str(settings.server_core), str(VENV_BIN / "spillway"), "controlplane", "serve",
+               "--no-migrate"]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc, log_path)
+    # Its own process group: stopped as a whole, and only what this script started.
+    with Process.start(command, name="the control plane", log=log_path, append=False, env=env, group=True,
+                       grace_s=20) as proc:  # fmt: skip
+        proc.wait_ready(f"{url}/readyz", timeout_s=60, interval_s=0.2)
         yield ControlPlane(db, tree, url, admin_key, proc, log_path, env)
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
 
 
 # ---- what the agents send: the real SDK's exports -------------------------------------------------
@@ -601,13 +565,6 @@ def run_load(plane: ControlPlane, exports: list[list[Export]], warmup_s: float, 
     )
 
 
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, max(0, round(q / 100 * len(sorted_values)) - 1))
-    return sorted_values[index]
-
-
 # ---- benchmark: OTLP ingest -----------------------------------------------------------------------
 
 
@@ -635,7 +592,7 @@ class IngestResult:
 
     @property
     def median_per_second(self) -> float:
-        return statistics.median(self.load.per_second_points) if self.load.per_second_points else 0.0
+        return median(self.load.per_second_points, empty=0.0)
 
 
 def check_rollups(plane: ControlPlane, exports: list[list[Export]], last_ok: list[int]) -> tuple[bool, str]:
@@ -748,9 +705,9 @@ def render_ingest(results: list[IngestResult], settings: Settings) -> list[str]:
             + " | ".join(f"{t}: p99 (ms)" for t in trees) + (" | ratio |" if len(trees) > 1 else " |"))  # fmt: skip
         add("|---|" + "---:|" * (2 * len(trees) + (1 if len(trees) > 1 else 0)))
         for backend in dict.fromkeys(r.backend for r in results):
-            rates = [statistics.median(r.points_per_s for r in results if r.backend == backend and r.tree == t)
+            rates = [median(r.points_per_s for r in results if r.backend == backend and r.tree == t)
                      for t in trees]  # fmt: skip
-            p99s = [statistics.median(percentile(r.load.latencies_ms, 99) or 0.0 for r in results
+            p99s = [median(percentile(r.load.latencies_ms, 99) or 0.0 for r in results
                                       if r.backend == backend and r.tree == t) for t in trees]  # fmt: skip
             ratio = f" | **{rates[-1] / rates[0]:.2f}x** |" if len(trees) > 1 and rates[0] else " |"
             add(f"| {backend} | " + " | ".join(f"{v:,.0f}" for v in rates) + " | "
@@ -788,25 +745,14 @@ def render_ingest(results: list[IngestResult], settings: Settings) -> list[str]:
 # ---- the run and the report ----------------------------------------------------------------------
 
 
-def machine() -> dict[str, str]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown")  # fmt: skip
-    mem = next(line.split(":", 1)[1].strip() for line in Path("/proc/meminfo").read_text().splitlines()
-               if line.startswith("MemTotal"))  # fmt: skip
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "controlplane"],
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+def machine_info() -> dict[str, str]:
     import sqlite3
 
     versions = {name: importlib.metadata.version(name) for name in
                 ("uvicorn", "fastapi", "sqlalchemy", "psycopg", "opentelemetry-sdk", "protobuf")}  # fmt: skip
     return {
-        "commit": commit.stdout.strip() + (" with uncommitted changes under controlplane/" if dirty else ""),
-        "nproc": str(os.cpu_count()),
-        "cpu": cpu,
-        "memory": mem,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
+        **common.machine(),
+        "commit": common.revision("controlplane"),
         "sqlite": sqlite3.sqlite_version,
         "software": ", ".join(f"{k} {v}" for k, v in versions.items()),
     }
@@ -833,15 +779,10 @@ def render(settings: Settings, info: dict[str, str], started: dt.datetime, elaps
     command = " ".join(
         [".venv/bin/python", "bench/ingest.py", *(a if a.startswith("$(") else shlex.quote(a) for a in argv)]
     )
-    out: list[str] = []
+    out = common.section_head(BEGIN, "OTLP ingest: `POST /v1/metrics` on one core", command, started=started,
+                              minutes=elapsed / 60, code=f"control plane at commit {info['commit']}")  # fmt: skip
     add = out.append
-    add(BEGIN)
-    add("## OTLP ingest: `POST /v1/metrics` on one core")
-    add("")
-    add(f"- Command: `{command}`")
-    add(f"- Date: {started:%Y-%m-%d %H:%M} UTC; the run took {elapsed / 60:.1f} min; control plane at commit "
-        f"{info['commit']}")  # fmt: skip
-    add(f"- Machine: nproc {info['nproc']}, {info['cpu']}, {info['memory']}, Linux {info['kernel']}; load average "
+    add(f"- Machine: {common.machine_words(info)}; load average "
         f"{info['loadavg_start']} at the start, {info['loadavg_end']} at the end")  # fmt: skip
     pg = f", PostgreSQL {info['postgres']} (local, same machine)" if info.get("postgres") else ""
     add(f"- Software: Python {info['python']}, SQLite {info['sqlite']}{pg}; {info['software']}")
@@ -875,22 +816,11 @@ def render(settings: Settings, info: dict[str, str], started: dt.datetime, elaps
     return "\n".join(out)
 
 
-def write_docs(path: Path, markdown: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + markdown + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + markdown + "\n"
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     settings = parse_args(sys.argv[1:] if argv is None else argv)
     started = dt.datetime.now(dt.timezone.utc)
     t_start = time.monotonic()
-    info = machine()
+    info = machine_info()
     info["loadavg_start"] = loadavg()
     info["postgres"] = postgres_version(settings)
     os.sched_setaffinity(0, settings.client_cores)  # the load generator stays off the server's core
@@ -916,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
     markdown = render(settings, info, started, time.monotonic() - t_start, ingest, work)
     print(markdown)
     if settings.write:
-        write_docs(DOCS, markdown)
+        common.write_docs(markdown, BEGIN, END)
         log(f"wrote {DOCS}")
     log(f"raw results in {work / 'results.json'}")
     return 0 if all(r.consistent for r in ingest) else 1

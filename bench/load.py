@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import collections
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +28,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `bench` from the repository
+from bench.common import free_port, percentile
+from spillway.demo.harness import Process
 
 
 def _event_loop_policy() -> None:
@@ -134,13 +139,6 @@ class OpenLoopResult:
     client_cpu_s: float
     client_cpu_us_per_request: float
     status_counts: dict[str, int] = field(default_factory=dict)
-
-
-def _percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, max(0, round(q / 100 * len(sorted_values)) - 1))
-    return sorted_values[index]
 
 
 async def open_loop(
@@ -257,34 +255,20 @@ async def open_loop(
         if conn.transport is not None:
             conn.transport.close()
     cpu = time.process_time() - cpu_start
-    sent = total - first_measured
-    latencies.sort()
     ok = sum(n for s, n in statuses.items() if s.startswith("2"))
-    non_2xx = sum(n for s, n in statuses.items() if not s.startswith("2"))
 
     def ms(value: float | None) -> float | None:
         return None if value is None else round(value * 1e3, 3)
 
     return OpenLoopResult(
-        rate=rate,
-        duration_s=duration_s,
-        sent=sent,
-        ok=ok,
-        non_2xx=non_2xx,
-        conn_errors=conn_errors,
-        unfinished=unfinished,
-        throughput_rps=round(ok / duration_s, 1),
-        p50_ms=ms(_percentile(latencies, 50)),
-        p90_ms=ms(_percentile(latencies, 90)),
-        p99_ms=ms(_percentile(latencies, 99)),
-        max_ms=ms(latencies[-1] if latencies else None),
-        max_send_lag_ms=round(max_lag * 1e3, 3),
-        p99_send_lag_ms=ms(_percentile(sorted(lags), 99)),
-        max_connections=peak,
-        client_cpu_s=round(cpu, 3),
-        client_cpu_us_per_request=round(cpu / max(1, total) * 1e6, 1),
+        rate, duration_s, sent=total - first_measured, ok=ok, non_2xx=sum(statuses.values()) - ok,
+        conn_errors=conn_errors, unfinished=unfinished, throughput_rps=round(ok / duration_s, 1),
+        p50_ms=ms(percentile(latencies, 50)), p90_ms=ms(percentile(latencies, 90)),
+        p99_ms=ms(percentile(latencies, 99)), max_ms=ms(max(latencies, default=None)),
+        max_send_lag_ms=round(max_lag * 1e3, 3), p99_send_lag_ms=ms(percentile(lags, 99)), max_connections=peak,
+        client_cpu_s=round(cpu, 3), client_cpu_us_per_request=round(cpu / max(1, total) * 1e6, 1),
         status_counts=dict(statuses),
-    )
+    )  # fmt: skip
 
 
 # ---- no-op server ---------------------------------------------------------------------------------
@@ -334,32 +318,17 @@ async def serve_noop(host: str, port: int) -> None:
         await server.serve_forever()
 
 
-def start_noop_server(port: int) -> subprocess.Popen[bytes]:
-    """The no-op server in its own process (so that it does not share the client's GIL)."""
-    proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "noop", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import socket
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("no-op server did not start")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def start_noop_server(port: int) -> Process:
+    """The no-op server in its own process (so that it does not share the client's GIL), listening; stop it
+    (`with start_noop_server(port):`, or `.stop()`)."""
+    command = [sys.executable, str(Path(__file__).resolve()), "noop", "--port", str(port)]
+    server = Process.start(command, name="the no-op server", log=subprocess.DEVNULL, grace_s=10)
+    try:
+        server.wait_listening(port, timeout_s=10)
+    except BaseException:
+        server.stop(signal.SIGKILL)
+        raise
+    return server
 
 
 # ---- command line ---------------------------------------------------------------------------------
@@ -381,15 +350,8 @@ def _run_open(args: argparse.Namespace) -> None:
 def ceiling(rates: list[float], duration_s: float, body: bytes) -> list[OpenLoopResult]:
     """Run the client against the no-op server at each rate (each run in a fresh client process)."""
     port = free_port()
-    server = start_noop_server(port)
-    results = []
-    try:
-        for rate in rates:
-            results.append(run_open_subprocess(f"http://127.0.0.1:{port}/noop", body, rate, duration_s, 1.0))
-    finally:
-        server.terminate()
-        server.wait(10)
-    return results
+    with start_noop_server(port):
+        return [run_open_subprocess(f"http://127.0.0.1:{port}/noop", body, rate, duration_s, 1.0) for rate in rates]
 
 
 def run_open_subprocess(

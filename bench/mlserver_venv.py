@@ -14,6 +14,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `bench` from the repository
+from bench.common import log
+
 BENCH = Path(__file__).resolve().parent
 MLSERVER_VENV = BENCH / ".mlserver-venv"
 MLSERVER_VERSION = "1.7.1"
@@ -48,13 +51,13 @@ def ensure_mlserver_venv(venv: Path = MLSERVER_VENV) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be installing: wait, then look again
         if _installed(venv, packages):
             return mlserver
-        _log(f"installing {packages} into {venv} (a minute or two, once)")
+        log(f"installing {packages} into {venv} (a minute or two, once)")
         started = time.monotonic()
         if not (venv / "bin" / "python").exists():
             _run([sys.executable, "-m", "venv", str(venv)])
         _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *packages.split()])
         (venv / _STAMP).write_text(packages)
-        _log(f"{venv} ready in {time.monotonic() - started:.0f} s")
+        log(f"{venv} ready in {time.monotonic() - started:.0f} s")
     return mlserver
 
 
@@ -71,10 +74,6 @@ def _run(cmd: list[str]) -> None:
     if done.returncode:
         tail = (done.stdout + done.stderr).strip()[-2000:]
         raise VenvError(f"`{' '.join(cmd)}` exited with {done.returncode}:\n{tail}")
-
-
-def _log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

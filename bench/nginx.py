@@ -10,13 +10,14 @@ It never touches the system's nginx configuration, logs or service; stopping it 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
 import subprocess
-import time
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `bench` from the repository
+from bench.common import free_port
+from spillway.demo.harness import Process
 
 NGINX = Path("/usr/sbin/nginx")
 INSTALL_HINT = (
@@ -85,47 +86,17 @@ def nginx_version() -> str:
     return (out.stderr or out.stdout).strip().removeprefix("nginx version: ")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_listening(port: int, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"nginx exited with code {proc.returncode}: {log.read_text()[-2000:]}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nginx did not listen on port {port} within {timeout_s:g} s: {log.read_text()[-2000:]}")
-
-
 @contextlib.contextmanager
 def reverse_proxy(upstream_host: str, upstream_port: int, workdir: Path) -> Iterator[tuple[str, int]]:
     """Run nginx proxying to `upstream_host:upstream_port`; yields (its base URL, its pid); stops it on exit."""
     nginx = require_nginx()
     prefix = workdir / "nginx"
     prefix.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     conf = prefix / "nginx.conf"
     conf.write_text(CONF.format(prefix=prefix, upstream=f"{upstream_host}:{upstream_port}", port=port))
-    log = prefix / "stderr.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(  # its own session: a Ctrl-C in the terminal reaches the bench, which stops it
-            [str(nginx), "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    try:
-        _wait_listening(port, proc, log)
+    command = [str(nginx), "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")]
+    # Its own session: a Ctrl-C in the terminal reaches the bench, which stops it (SIGTERM: a fast shutdown).
+    with Process.start(command, name="nginx", log=prefix / "stderr.log", append=False, group=True, grace_s=10) as proc:
+        proc.wait_listening(port, timeout_s=10)
         yield f"http://127.0.0.1:{port}", proc.pid
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGTERM)  # fast shutdown
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)

@@ -48,13 +48,10 @@ import re
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,9 +61,12 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.load import _Connection, build_request, free_port  # noqa: E402
+from bench import common  # noqa: E402
+from bench.common import bearer, free_port, http_json, log, median, percentile, url_parts  # noqa: E402
+from bench.load import _Connection, build_request  # noqa: E402
 from bench.nginx import nginx_version, require_nginx, reverse_proxy  # noqa: E402
 from bench.procstat import cpu_seconds, loadavg, machine_busy_seconds, vm_hwm  # noqa: E402
+from spillway.demo.harness import Process, stop, stop_all  # noqa: E402
 
 BEGIN = "<!-- bench/overflow.py: begin (generated; edit outside these markers) -->"
 END = "<!-- bench/overflow.py: end -->"
@@ -75,56 +75,27 @@ INPUT_DIM = 512
 GOOD = ("local", "overflow")  # outcomes that are the model's own answer
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 # ---- processes ------------------------------------------------------------------------------------
 
 
 class Processes:
-    """Every process this script starts, each in its own session; `stop_all` ends them (and only them)."""
+    """Every process this script starts, each in its own session (a log file each in the work folder);
+    `stop_all` ends them (and only them)."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, Process] = {}
 
-    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        with (self.workdir / f"{name}.log").open("wb") as out:
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Process:
+        proc = Process.start(cmd, name=name, log=self.workdir / f"{name}.log", append=False, env=env, group=True)
         self.procs[name] = proc
         return proc
 
-    def log_tail(self, name: str) -> str:
-        return (self.workdir / f"{name}.log").read_text(errors="replace")[-3000:]
-
     def wait_ready(self, name: str, url: str, headers: dict[str, str] | None = None, timeout_s: float = 180) -> None:
-        proc = self.procs[name]
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{self.log_tail(name)}")
-            try:
-                with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{name} was not ready within {timeout_s:.0f} s:\n{self.log_tail(name)}")
+        self.procs[name].wait_ready(url, headers=headers, timeout_s=timeout_s, interval_s=0.2)
 
     def stop_all(self) -> None:
-        for proc in reversed(list(self.procs.values())):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_all(reversed(list(self.procs.values())))
 
 
 def _terminate_on_sigterm() -> None:
@@ -134,14 +105,6 @@ def _terminate_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
-
-
-def http_json(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
 
 
 # ---- the system under test ------------------------------------------------------------------------
@@ -181,11 +144,11 @@ class System:
 
     @property
     def cloud_auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {CLOUD_SECRET}"}
+        return bearer(CLOUD_SECRET)
 
     @property
     def gateway_auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.edge_token}"}
+        return bearer(self.edge_token)
 
     def pid(self, name: str) -> int:
         return self.nginx_pid if name == "nginx" else self.procs.procs[name].pid
@@ -194,7 +157,7 @@ class System:
         return dict(http_json("GET", f"{self.edge}/v2/spillway/status"))
 
     def gateway_backends(self) -> list[dict[str, Any]]:
-        status = http_json("GET", f"{self.cp}/api/v1/status", headers={"Authorization": f"Bearer {self.admin}"})
+        status = http_json("GET", f"{self.cp}/api/v1/status", headers=bearer(self.admin))
         return list(status["gateway"]["backends"])
 
 
@@ -226,7 +189,7 @@ def start_system(procs: Processes, workdir: Path, args: argparse.Namespace) -> S
                 agent_env)  # fmt: skip
     procs.wait_ready("controlplane", f"{cp}/readyz")
 
-    operator = {"Authorization": f"Bearer {admin}"}
+    operator = bearer(admin)
     enrolled = http_json("POST", f"{cp}/api/v1/agents", {"name": "bench-edge", "device_class": "cpu",
                                                          "labels": {"bench": "overflow"}}, operator)  # fmt: skip
     edge_token = enrolled["token"]
@@ -238,7 +201,7 @@ def start_system(procs: Processes, workdir: Path, args: argparse.Namespace) -> S
     procs.start("edge", [*cli, "agent", "serve", "--config", str(workdir / "edge.yaml"), "--log-level", "warning"],
                 {**agent_env, "SPILLWAY_AGENT_TOKEN": edge_token})  # fmt: skip
     cloud = f"http://127.0.0.1:{cloud_port}"
-    procs.wait_ready("cloud", f"{cloud}/v2/health/ready", {"Authorization": f"Bearer {CLOUD_SECRET}"})
+    procs.wait_ready("cloud", f"{cloud}/v2/health/ready", bearer(CLOUD_SECRET))
     # Part 1 measures the proxy alone: no cap there. Part 2 sets the backend's cap (`set_backend_cap`).
     backend = {"name": "cloud-1", "url": cloud, "models": ["mlp"], "weight": 1.0,
                "max_concurrency": 1000, "timeout_ms": 10_000, "binary_tensors": True,
@@ -252,7 +215,7 @@ def start_system(procs: Processes, workdir: Path, args: argparse.Namespace) -> S
 def set_backend_cap(system: System, cap: int) -> None:
     """The backend's max_concurrency, through the REST API (the gateway reloads at once)."""
     http_json("PATCH", f"{system.cp}/api/v1/backends/{system.backend_id}", {"max_concurrency": cap},
-              {"Authorization": f"Bearer {system.admin}"})  # fmt: skip
+              bearer(system.admin))  # fmt: skip
 
 
 def body(level: int | None, deadline_us: int | None, seed: int = 7) -> bytes:
@@ -440,7 +403,7 @@ async def latency_rounds(spec: dict[str, Any]) -> dict[str, Any]:
                     if rnd >= 0:
                         cell = out.setdefault(f"{kind}|{concurrency}|{target['name']}", {"all": [], "rounds": []})
                         cell["all"] += into
-                        cell["rounds"].append(statistics.median(into))
+                        cell["rounds"].append(median(into))
     for conn in conns.values():
         if conn.transport is not None:
             conn.transport.close()
@@ -475,25 +438,11 @@ def run_client(spec: dict[str, Any], workdir: Path, timeout_s: float) -> dict[st
         if proc.wait(timeout_s) != 0:
             raise RuntimeError(f"the load generator failed with code {proc.returncode}")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        stop(proc, signal.SIGKILL)
     return dict(json.loads(out_path.read_text()))
 
 
-def url_parts(url: str) -> tuple[str, int]:
-    host, port = url.removeprefix("http://").split(":")
-    return host, int(port)
-
-
 # ---- measurements ---------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
 
 
 class CpuMeter:
@@ -559,14 +508,12 @@ def capacity(
     name: str, system: System, body_path: Path, headers: dict[str, str], args: argparse.Namespace, workdir: Path
 ) -> Capacity:
     """Closed-loop saturation with wrk: 2xx answers per second."""
-    from bench.batching import run_wrk, write_lua
-
     url = system.edge if name == "edge" else system.cloud
-    lua = write_lua(workdir / f"wrk-{name}.lua", body_path, {"Content-Type": "application/json", **headers})
+    lua = common.write_lua(workdir / f"wrk-{name}.lua", body_path, {"Content-Type": "application/json", **headers})
     infer = f"{url}/v2/models/mlp/infer"
-    run_wrk(infer, lua, args.capacity_concurrency, max(1, round(args.warmup_s)))  # wrk takes whole seconds
+    common.run_wrk(infer, lua, args.capacity_concurrency, max(1, round(args.warmup_s)))  # wrk takes whole seconds
     meter = CpuMeter({name: system.pid(name)})
-    result = run_wrk(infer, lua, args.capacity_concurrency, max(1, round(args.capacity_s)))
+    result = common.run_wrk(infer, lua, args.capacity_concurrency, max(1, round(args.capacity_s)))
     cpu = meter.cores({"wrk": result.client_cpu_s})
     cpu[f"(of the {name}'s, its main thread)"] = meter.main[name]
     if result.socket_errors or result.requests == 0:
@@ -624,11 +571,8 @@ def profile_overload(
     system: System, rate: float, seconds: int, args: argparse.Namespace, workdir: Path
 ) -> dict[str, Any]:
     """py-spy (non-blocking, every thread, 200 Hz) on the edge agent and the control plane at once, during a
-    separate open-loop run at the overload's rate; {process: batching.py's summary} (empty without py-spy)."""
-    from bench.batching import summarise_profile
-
-    py_spy = Path(sys.executable).parent / "py-spy"
-    if not py_spy.exists():
+    separate open-loop run at the overload's rate; {process: `summarise_profile`} (empty without py-spy)."""
+    if not common.PY_SPY.exists():
         log("py-spy is missing (.venv/bin/pip install py-spy): no profile")
         return {}
     spec = open_spec(system, rate, seconds + 2 * args.warmup_s, args, workdir)
@@ -638,18 +582,15 @@ def profile_overload(
         time.sleep(2 * args.warmup_s)
         for name in PROFILED:
             raw = workdir / f"py-spy-{name}.txt"
-            cmd = [str(py_spy), "record", "-d", str(seconds), "-r", "200", "--nonblocking", "--threads", "--format",
-                   "raw", "-o", str(raw), "-p", str(system.pid(name))]  # fmt: skip
+            cmd = common.py_spy_command(system.pid(name), seconds, raw)
             spies[name] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), raw)
         for proc, _ in spies.values():
             proc.wait(seconds + 60)
         client.wait(3 * args.warmup_s + seconds + 60)
     finally:
         for proc in [client, *(p for p, _ in spies.values())]:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-    return {name: summarise_profile(raw, seconds) for name, (_, raw) in spies.items() if raw.exists()}
+            stop(proc, signal.SIGKILL)
+    return {name: common.summarise_profile(raw, seconds) for name, (_, raw) in spies.items() if raw.exists()}
 
 
 def overhead(system: System, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -681,17 +622,13 @@ def client_ceiling(rate: float, seconds: float, workdir: Path) -> dict[str, Any]
     from bench.load import start_noop_server
 
     port = free_port()
-    server = start_noop_server(port)
     path = workdir / "ceiling.json"
     path.write_bytes(body(2, 100_000))
     spec = {"mode": "open", "url": f"http://127.0.0.1:{port}/noop", "host": "127.0.0.1", "port": port,
             "headers": {}, "bodies": {"1": str(path), "2": str(path)}, "rate": rate, "warmup_s": 0.5,
             "duration_s": seconds, "high_share": 0.2, "seed": 1, "drain_s": 5.0}  # fmt: skip
-    try:
+    with start_noop_server(port):
         result = run_client(spec, workdir, seconds + 60)
-    finally:
-        server.terminate()
-        server.wait(10)
     answered = [r[3] for r in result["records"] if r[1] == 200]
     return {"rate": rate, "seconds": seconds, "sent": len(result["records"]), "answered": len(answered),
             "p99_ms": (percentile(answered, 99) or 0) / 1e3, "max_lag_ms": result["max_send_lag_ms"],
@@ -703,23 +640,6 @@ def client_ceiling(rate: float, seconds: float, workdir: Path) -> dict[str, Any]
 
 def _f(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())  # fmt: skip
-    mem = next(line.split(":", 1)[1].strip() for line in Path("/proc/meminfo").read_text().splitlines()
-               if line.startswith("MemTotal"))  # fmt: skip
-    return f"nproc {os.cpu_count()}, {model}, {mem}, Linux {platform.release()}"
-
-
-def _revision() -> str:
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
-
-    dirty = git("status", "--porcelain", "--", "controlplane", "edge_agent")
-    return git("rev-parse", "--short", "HEAD") + (" with uncommitted changes under controlplane/ or edge_agent/"
-                                                  if dirty else "")  # fmt: skip
 
 
 @dataclass
@@ -775,17 +695,15 @@ def overload(system: System, args: argparse.Namespace, workdir: Path) -> Overloa
 
 def report(res: Results) -> str:
     args = res.args
-    out: list[str] = []
-    add = out.append
     versions = ", ".join(f"{p} {importlib.metadata.version(p)}" for p in ("onnxruntime", "uvicorn", "aiohttp"))
     wrk = subprocess.run(["wrk", "--version"], capture_output=True, text=True, check=False).stdout.splitlines()
-    add(BEGIN)
-    add("## Overflow: the edge, the gateway and a cloud backend (`bench/overflow.py`)")
-    add("")
-    add(f"- Command: `{res.command}`")
     elapsed = (dt.datetime.now(dt.timezone.utc) - res.started).total_seconds() / 60
-    add(f"- Date: {res.started:%Y-%m-%d %H:%M} UTC; the run took {elapsed:.1f} min; code at commit {_revision()}")
-    add(f"- Machine: {_machine()}; load average {res.load_before} at the start, {loadavg()} at the end; before "
+    code = f"code at commit {common.revision('controlplane', 'edge_agent')}"
+    out = common.section_head(BEGIN, "Overflow: the edge, the gateway and a cloud backend (`bench/overflow.py`)",
+                              res.command, started=res.started, minutes=elapsed, code=code)  # fmt: skip
+    add = out.append
+    computer = common.machine_words(common.machine(cpu_fallback=platform.processor()))
+    add(f"- Machine: {computer}; load average {res.load_before} at the start, {loadavg()} at the end; before "
         f"starting, the machine was busy {res.quiet[0]:.2f} cores (after waiting {res.quiet[1]:.0f} s for quiet); "
         "the CPU lines below name what else ran (`other`)")  # fmt: skip
     add(f"- Software: Python {platform.python_version()}, {versions}, {nginx_version()}, "
@@ -846,12 +764,12 @@ def _report_overhead(res: Results, add: Any) -> None:
             base = data.get(f"{kind}|{concurrency}|direct")
             if base is None:
                 continue
-            base_p50 = statistics.median(base["all"]) / 1e3
+            base_p50 = median(base["all"]) / 1e3
             for target in ("direct", "nginx", "gateway"):
                 cell = data[f"{kind}|{concurrency}|{target}"]
-                p50 = statistics.median(cell["all"]) / 1e3
+                p50 = median(cell["all"]) / 1e3
                 p99 = (percentile(cell["all"], 99) or 0) / 1e3
-                rounds = statistics.median(cell["rounds"]) / 1e3
+                rounds = median(cell["rounds"]) / 1e3
                 extra = "" if target == "direct" else f"{p50 - base_p50:+.3f}"
                 added[(kind, concurrency, target)] = p50 - base_p50
                 add(f"| {kind} | {concurrency} | {target} | {p50:.3f} | {p99:.3f} | {rounds:.3f} | {extra} "
@@ -1029,17 +947,6 @@ def _outcome_words(run: OpenRun) -> str:
     return ", ".join(f"{k}: {v}" for k, v in counts.most_common())
 
 
-def write_docs(markdown: str) -> None:
-    path = ROOT / "docs" / "benchmarks.md"
-    text = path.read_text()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + markdown + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + markdown + "\n"
-    path.write_text(text)
-
-
 # ---- main -----------------------------------------------------------------------------------------
 
 
@@ -1116,7 +1023,7 @@ def main(argv: list[str] | None = None) -> None:
     markdown = run(args, command)
     print(markdown)
     if args.write:
-        write_docs(markdown)
+        common.write_docs(markdown, BEGIN, END)
 
 
 if __name__ == "__main__":

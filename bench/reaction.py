@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.load import free_port
+from bench.common import free_port, median, write_docs
 from bench.slo_eval import run as evaluator_run
 from spillway.demo.models import build_demo_repository
 from spillway.demo.story import INTERVAL_S, RULE, Phase, Story
@@ -84,9 +83,9 @@ def report(results: list[dict[str, Any]], evaluator: dict[str, Any] | None, comm
     recoveries = [r["recovery_s"] for r in rows if r["recovery_s"] is not None]
     if reactions:
         verdict = "met" if max(reactions) <= target else "missed"
-        lines += ["", f"Reaction median {statistics.median(reactions):.2f} s, max {max(reactions):.2f} s; target "
+        lines += ["", f"Reaction median {median(reactions):.2f} s, max {max(reactions):.2f} s; target "
                   f"<= {target:g} s: **{verdict}**. Recovery median "
-                  f"{statistics.median(recoveries) if recoveries else float('nan'):.2f} s (includes `recover_after` "
+                  f"{median(recoveries):.2f} s (includes `recover_after` "
                   f"8 s). Events: {', '.join(events)}."]  # fmt: skip
     if evaluator is not None:
         lines += [
@@ -117,14 +116,8 @@ def main() -> None:
     text = report(results, evaluator, command)
     print(text)
     if args.write:
-        path = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-        doc = path.read_text()
         block = f"{MARK_BEGIN}\n## Control loop: reaction and cycle cost (`bench/reaction.py`)\n\n{text}\n{MARK_END}"
-        if MARK_BEGIN in doc:
-            doc = doc[: doc.index(MARK_BEGIN)] + block + doc[doc.index(MARK_END) + len(MARK_END) :]
-        else:
-            doc = doc.rstrip() + "\n\n" + block + "\n"
-        path.write_text(doc)
+        write_docs(block, MARK_BEGIN, MARK_END)
 
 
 if __name__ == "__main__":

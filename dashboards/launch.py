@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
+from spillway.demo.harness import Process  # the standard library and httpx only
 
 APP = Path(__file__).resolve().parent / "app.py"
 API_URL_ENV = "SPILLWAY_API_URL"  # the control plane's base URL, read by the app on each run
@@ -40,30 +39,17 @@ def start_dashboard(
 ) -> subprocess.Popen[bytes]:
     """Start the dashboard in the background and return its process (the caller stops it). Output goes to
     `log_path`, or is discarded. Use `wait_ready` to know when it answers."""
-    out = log_path.open("ab") if log_path is not None else subprocess.DEVNULL
-    try:
-        return subprocess.Popen(  # noqa: S603 - our own fixed command line
-            streamlit_command(port, host), env=dashboard_env(api_url, api_key), stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-    finally:
-        if log_path is not None and not isinstance(out, int):
-            out.close()  # the child holds its own copy of the descriptor
+    started = Process.start(
+        streamlit_command(port, host), name="the dashboard", env=dashboard_env(api_url, api_key),
+        log=log_path if log_path is not None else subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    return started.popen
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
     """Poll the dashboard's health endpoint until it answers; raise if the process exits or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the dashboard exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url.rstrip('/')}/_stcore/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the dashboard did not answer within {timeout_s:.0f} s")
+    dashboard = Process(proc, name="the dashboard")
+    dashboard.wait_ready(f"{url.rstrip('/')}/_stcore/health", timeout_s=timeout_s, interval_s=0.2)
 
 
 def run_dashboard(api_url: str, api_key: str, port: int = 8501, host: str = "127.0.0.1") -> None:

@@ -14,7 +14,6 @@ import asyncio
 import json
 import random
 import signal
-import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,7 +23,8 @@ from typing import Any
 import httpx
 import yaml
 
-from spillway.demo.story import Story, _process, read_response, stop, wait_ready
+from spillway.demo.harness import Process, stop
+from spillway.demo.story import READY_TIMEOUT_S, Story, read_response
 
 OUTCOMES = ("local", "overflow", "fallback_cache", "fallback_default", "queued_async", "rejected", "error")
 IDLE_S = 1.0  # the load generator drops a keep-alive connection idle longer than this (the server may close it)
@@ -96,7 +96,7 @@ class Cloud:
         self.url = f"http://127.0.0.1:{port}"
         self.token = f"cloud-token-{name}-{random.getrandbits(64):x}"
         self.log = story.base.root / f"{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Process | None = None
         self.id = ""
 
     def start(self) -> None:
@@ -105,22 +105,12 @@ class Cloud:
             "model_repository": str(self.models), "port": self.port, "role": "cloud", "token": self.token,
             "intra_op_threads": 1, "agent_id": self.name, "state_dir": str(self.story.base.root / f"state-{self.name}"),
         }))  # fmt: skip
-        self.proc = _process([*self.story.base.cli, "agent", "serve", "--config", str(config)], self.log,
-                             self.story.base.env())  # fmt: skip
+        self.proc = self.story.base.start_agent_process(f"cloud backend {self.name}", config, self.log,
+                                                        self.story.base.env())  # fmt: skip
 
     def wait(self) -> None:
         assert self.proc is not None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"cloud backend {self.name} exited; see {self.log}")
-            try:
-                if httpx.get(f"{self.url}/v2/health/live", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"cloud backend {self.name} was not up within 120 s; see {self.log}")
+        self.proc.wait_ready(f"{self.url}/v2/health/live", timeout_s=READY_TIMEOUT_S)
 
     def register(self) -> None:
         with self.story.base.api() as client:
@@ -144,7 +134,7 @@ class OverflowStory:
         self.edge_port = edge_port
         self.edge_url = f"http://127.0.0.1:{edge_port}"
         self.clouds = [Cloud(self, f"cloud-{i + 1}", port, models) for i, port in enumerate(cloud_ports)]
-        self.edge: subprocess.Popen[bytes] | None = None
+        self.edge: Process | None = None
         self.edge_log = base.root / "edge-overflow.log"
         self.edge_id = ""
         self.deadline_us = DEADLINE_US
@@ -172,11 +162,11 @@ class OverflowStory:
             "async_jobs": {"models": ["mlp"], "max_jobs": 2000, "ttl_s": 600},
         }))  # fmt: skip
         env = {**self.base.env(), "SPILLWAY_AGENT_TOKEN": token}
-        self.edge = _process([*self.base.cli, "agent", "serve", "--config", str(config)], self.edge_log, env)
+        self.edge = self.base.start_agent_process("the edge agent (overflow)", config, self.edge_log, env)
         for cloud in self.clouds:
             cloud.wait()
             cloud.register()
-        wait_ready(f"{self.edge_url}/v2/health/ready", self.edge, "edge agent (overflow)", self.edge_log)
+        self.edge.wait_ready(f"{self.edge_url}/v2/health/ready", timeout_s=READY_TIMEOUT_S)
 
     def close(self) -> None:
         stop(self.edge)

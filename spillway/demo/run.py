@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import yaml
 
-EXAMPLE_FLEET = Path(__file__).resolve().parent.parent / "examples" / "fleet.yaml"
+EXAMPLE_FLEET = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"
 SEED_ORDER = ("agents", "slos", "rules", "backends")
 
 
@@ -126,7 +126,7 @@ def _start_dashboard(story: Any, admin_key: str, port: int) -> Any:
     if not port:
         return None
     from dashboards import start_dashboard, wait_ready
-    from spillway.demo.story import stop
+    from spillway.demo.harness import stop
 
     proc = start_dashboard(story.base, admin_key, port=port, log_path=story.root / "dashboard.log")
     story.cleanup.callback(stop, proc)
@@ -181,10 +181,11 @@ def control_loop_story(story: Any, rule: dict[str, Any]) -> None:
 
 def overflow_story(story: Any) -> None:
     """The overflow story (spillway/demo/overflow_story.py) beside the running control plane: outcome mix per phase."""
+    from spillway.demo.harness import free_port
     from spillway.demo.overflow_story import OverflowStory, format_phases, small_repository, standard_phases
 
     small = small_repository(story.root / "models-slow")
-    overflow = OverflowStory(story, models=small, edge_port=_free_port(), cloud_ports=[_free_port()])
+    overflow = OverflowStory(story, models=small, edge_port=free_port(), cloud_ports=[free_port()])
     overflow.start()
     capacity = overflow.calibrate()
     _say(f"Overflow: a second edge agent ({overflow.edge_url}) serving a slow mlp (about 20 ms a request, one")
@@ -211,14 +212,6 @@ def overflow_story(story: Any) -> None:
     for backend in overflow.gateway():
         _say(f"  {backend['name']:16} healthy={backend.get('healthy')} ejected={backend.get('ejected')} "
              f"requests={backend.get('requests')} errors={backend.get('errors')}")  # fmt: skip
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_for_telemetry(client: httpx.Client, agent_id: str, expected: int, deadline_s: float = 20.0) -> Any:

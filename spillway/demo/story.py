@@ -12,8 +12,6 @@ import asyncio
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -25,6 +23,8 @@ from typing import Any
 import httpx
 import yaml
 
+from spillway.demo.harness import Process, stop
+
 INTERVAL_S = 1.0  # export, poll and loop interval of the story: reactions in seconds, not minutes
 QUEUE_THRESHOLD = 12
 RULE = {
@@ -35,36 +35,7 @@ RULE = {
     "action": {"kind": "switch_variant", "version": 2},
     "hysteresis": {"for": "0s", "recover_after": "8s"},
 }
-
-
-def _process(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    with log_path.open("ab") as log:
-        return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)  # noqa: S603 - our own CLI
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, deadline_s: float = 120.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the {what} exited with code {proc.returncode}; see {log}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"the {what} was not ready within {deadline_s:.0f} s; see {log}")
-
-
-def stop(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(sig)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+READY_TIMEOUT_S = 120.0  # how long a process of the story may take to answer its readiness check
 
 
 @dataclass
@@ -95,8 +66,8 @@ class Story:
         self.base = f"http://127.0.0.1:{port}"
         self.agent_base = f"http://127.0.0.1:{agent_port}"
         self.port, self.agent_port, self.interval_s = port, agent_port, interval_s
-        self.cp: subprocess.Popen[bytes] | None = None
-        self.agent: subprocess.Popen[bytes] | None = None
+        self.cp: Process | None = None
+        self.agent: Process | None = None
         self.admin_key = ""
         self.agent_id = ""
         self.agent_token = ""
@@ -140,8 +111,8 @@ class Story:
 
     def start_control_plane(self, *, migrate: bool = False) -> None:
         args = [*self.cli, "controlplane", "serve"] + ([] if migrate else ["--no-migrate"])
-        self.cp = _process(args, self.cp_log, self.env())
-        wait_ready(f"{self.base}/readyz", self.cp, "control plane", self.cp_log)
+        self.cp = Process.start(args, name="the control plane", log=self.cp_log, env=self.env())
+        self.cp.wait_ready(f"{self.base}/readyz", timeout_s=READY_TIMEOUT_S)
 
     def agent_config(self, models: Path, agent: dict[str, Any]) -> Path:
         path = self.root / "agent.yaml"
@@ -157,8 +128,12 @@ class Story:
     def start_agent(self, models: Path, agent: dict[str, Any], token: str) -> None:
         config = self.agent_config(models, agent)
         env = {**self.env(), "SPILLWAY_AGENT_TOKEN": token}  # not on the command line: `ps` would show it
-        self.agent = _process([*self.cli, "agent", "serve", "--config", str(config)], self.agent_log, env)
-        wait_ready(f"{self.agent_base}/v2/health/ready", self.agent, "edge agent", self.agent_log)
+        self.agent = self.start_agent_process("the edge agent", config, self.agent_log, env)
+        self.agent.wait_ready(f"{self.agent_base}/v2/health/ready", timeout_s=READY_TIMEOUT_S)
+
+    def start_agent_process(self, name: str, config: Path, log: Path, env: dict[str, str]) -> Process:
+        """`spillway agent serve --config CONFIG` with its output appended to `log` (not waited for)."""
+        return Process.start([*self.cli, "agent", "serve", "--config", str(config)], name=name, log=log, env=env)
 
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10)
@@ -267,4 +242,4 @@ def first_at(phase: Phase, version: str, after: float = 0.0) -> float | None:
     return next((s.at for s in phase.samples if s.version == version and s.at >= after), None)
 
 
-__all__ = ["INTERVAL_S", "RULE", "Phase", "Sample", "Story", "first_at", "read_response", "stop", "wait_ready"]
+__all__ = ["INTERVAL_S", "READY_TIMEOUT_S", "RULE", "Phase", "Sample", "Story", "first_at", "read_response", "stop"]

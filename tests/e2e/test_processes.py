@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from spillway.demo.harness import Process, stop_all
 from tests.conftest import make_keys
 from tests.utils.server import free_port
 
@@ -23,59 +24,42 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def _serve(url: str, port: int, *args: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "spillway.cli", "controlplane", "serve", "--port", str(port), *args],
-        env=_env(SPILLWAY_DATABASE_URL=url),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+def _serve(url: str, port: int, log: Path, *args: str, **env: str) -> Process:
+    """`spillway controlplane serve` on `port`, its output in `log` (a file, not a pipe: a chatty replica must
+    never block on a full pipe)."""
+    command = [sys.executable, "-m", "spillway.cli", "controlplane", "serve", "--port", str(port), *args]
+    return Process.start(command, name=f"the control plane on port {port}", log=log,
+                         env=_env(SPILLWAY_DATABASE_URL=url, **env), grace_s=15)  # fmt: skip
 
 
-def _wait(port: int, proc: subprocess.Popen[bytes], want: int, deadline_s: float = 60) -> httpx.Response:
-    deadline = time.monotonic() + deadline_s
-    last: httpx.Response | None = None
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "exited"
-        try:
-            last = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
-            if last.status_code == want:
-                return last
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"readyz never answered {want}; last: {last and last.text}")
-
-
-def _stop(*procs: subprocess.Popen[bytes]) -> None:
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        proc.wait(timeout=15)
+def _wait(port: int, proc: Process, want: int) -> httpx.Response:
+    """Until /readyz answers `want`; fails, with the end of the log, if the process exits or time runs out."""
+    return proc.wait_ready(f"http://127.0.0.1:{port}/readyz", want, timeout_s=60)
 
 
 def test_serve_migrates_at_start_unless_told_not_to(sqlite_url: str, tmp_path: Path) -> None:
     unmigrated = f"sqlite:///{tmp_path / 'other.db'}"
     port_a, port_b = free_port(), free_port()
-    a, b = _serve(sqlite_url, port_a), _serve(unmigrated, port_b, "--no-migrate")
+    a = _serve(sqlite_url, port_a, tmp_path / "a.log")
+    b = _serve(unmigrated, port_b, tmp_path / "b.log", "--no-migrate")
     try:
         assert _wait(port_a, a, 200).json() == {"status": "ready"}
         not_ready = _wait(port_b, b, 503)
         assert not_ready.json()["error"] == "not_ready"
         assert httpx.get(f"http://127.0.0.1:{port_b}/healthz").status_code == 200
     finally:
-        _stop(a, b)
+        stop_all([a, b])
 
 
 @pytest.mark.postgres
-def test_replicas_starting_together_on_postgres_take_turns_to_migrate(postgres_url: str) -> None:
+def test_replicas_starting_together_on_postgres_take_turns_to_migrate(postgres_url: str, tmp_path: Path) -> None:
     ports = [free_port() for _ in range(3)]
-    procs = [_serve(postgres_url, port) for port in ports]
+    procs = [_serve(postgres_url, port, tmp_path / f"replica{i}.log") for i, port in enumerate(ports)]
     try:
         for port, proc in zip(ports, procs, strict=True):
             assert _wait(port, proc, 200).status_code == 200
     finally:
-        _stop(*procs)
+        stop_all(procs)
 
 
 @pytest.mark.postgres
@@ -83,14 +67,8 @@ def test_exactly_one_replica_runs_the_control_loop_and_another_takes_over(postgr
     key = make_keys(postgres_url)["viewer"]
     ports = [free_port(), free_port()]
     logs = [tmp_path / f"replica{i}.log" for i in range(2)]
-    procs = []
-    for port, log in zip(ports, logs, strict=True):
-        with log.open("wb") as out:  # a file, not a pipe: a chatty replica must never block on a full pipe
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "spillway.cli", "controlplane", "serve", "--port", str(port)],
-                env=_env(SPILLWAY_DATABASE_URL=postgres_url, SPILLWAY_CONTROL_LOOP_INTERVAL_S="0.3"),
-                stdout=out, stderr=subprocess.STDOUT,
-            ))  # fmt: skip
+    procs = [_serve(postgres_url, port, log, SPILLWAY_CONTROL_LOOP_INTERVAL_S="0.3")
+             for port, log in zip(ports, logs, strict=True)]  # fmt: skip
 
     def loops() -> list[dict]:
         return [httpx.get(f"http://127.0.0.1:{port}/api/v1/status", headers={"Authorization": f"Bearer {key}"},
@@ -135,10 +113,7 @@ def test_exactly_one_replica_runs_the_control_loop_and_another_takes_over(postgr
         time.sleep(1.0)
         assert loops_of(follower)["last_cycle_at"] > first  # it keeps cycling
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=15)
+        stop_all(procs)
 
 
 def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:

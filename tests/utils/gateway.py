@@ -3,7 +3,6 @@ separate processes (tests/utils/faulty_backend.py)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import orjson
 
 from controlplane.app import create_app
 from controlplane.settings import Settings
+from spillway.demo.harness import Process
 from tests.conftest import make_keys
 from tests.utils.builders import make_agent, make_backend
 from tests.utils.server import free_port, serving
@@ -31,7 +31,7 @@ class Faulty:
 
     name: str
     url: str
-    proc: subprocess.Popen[bytes]
+    proc: Process
 
     def set(self, **change: Any) -> None:
         httpx.post(f"{self.url}/control", json=change, timeout=5).raise_for_status()
@@ -41,18 +41,17 @@ class Faulty:
 
 
 def start_faulty(name: str) -> Faulty:
+    """A faulty backend process (its output with the tests'), once it answers; the caller stops it."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.utils.faulty_backend", "--port", str(port), "--name", name])
+    command = [sys.executable, "-m", "tests.utils.faulty_backend", "--port", str(port), "--name", name]
+    proc = Process.start(command, name=f"faulty backend {name}")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        assert proc.poll() is None, f"faulty backend {name} exited"
-        try:
-            httpx.get(f"{url}/stats", timeout=1)
-            return Faulty(name, url, proc)
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, f"faulty backend {name} did not start"
-            time.sleep(0.02)
+    try:
+        proc.wait_ready(f"{url}/stats", status=None, timeout_s=30, interval_s=0.02)
+    except BaseException:
+        proc.stop()
+        raise
+    return Faulty(name, url, proc)
 
 
 @dataclass

@@ -7,21 +7,17 @@ Without that environment a test is skipped, except under CI=true, where it fails
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 
 from bench.mlserver_venv import VenvError, ensure_mlserver_venv
+from spillway.demo.harness import Process, ProcessExited
 from spillway.demo.models import MODEL_NAME
 from tests.utils.server import free_port
 
@@ -73,66 +69,28 @@ def running_mlserver(
         settings.update(http_port=port, grpc_port=free_port(), metrics_port=free_port(), metrics_endpoint=None)
         (folder / "settings.json").write_text(json.dumps(settings, indent=2))
         proc = _start(mlserver, folder, log)
+        url = f"http://127.0.0.1:{port}"
         try:
-            url = f"http://127.0.0.1:{port}"
-            if _wait_ready(proc, f"{url}/v2/models/{MODEL_NAME}/ready", log, ready_timeout_s):
-                break
+            proc.wait_ready(f"{url}/v2/models/{MODEL_NAME}/ready", timeout_s=ready_timeout_s)
+            break
+        except ProcessExited:
+            if "address already in use" not in log.read_text(errors="replace").lower():
+                raise
         except BaseException:
-            _stop(proc)
+            proc.stop()
             raise
         if attempt == _PORT_ATTEMPTS:
-            raise RuntimeError(f"MLServer could not bind free ports {_PORT_ATTEMPTS} times:\n{_tail(log)}")
-    try:
+            raise RuntimeError(f"MLServer could not bind free ports {_PORT_ATTEMPTS} times:\n{proc.log_tail()}")
+    with proc:
         yield url
-    finally:
-        _stop(proc)
 
 
-def _start(mlserver: Path, folder: Path, log: Path) -> subprocess.Popen[bytes]:
+def _start(mlserver: Path, folder: Path, log: Path) -> Process:
+    """`mlserver start FOLDER`, its log written afresh; in its own process group, so that stopping it (SIGTERM,
+    SIGKILL after 20 s) reaches any worker it forks."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH") and not k.startswith("MLSERVER")
     }
     env["PATH"] = f"{mlserver.parent}{os.pathsep}{env.get('PATH', '')}"
-    with log.open("wb") as out:  # the child keeps its own descriptor
-        return subprocess.Popen(  # its own process group, so stopping it reaches any worker it forks
-            [str(mlserver), "start", str(folder)],
-            cwd=folder,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float) -> bool:
-    """Poll until `url` answers 200; False if MLServer exited because a port was taken (try again)."""
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                if "address already in use" in log.read_text(errors="replace").lower():
-                    return False
-                raise RuntimeError(f"MLServer exited (status {proc.returncode}) before it was ready:\n{_tail(log)}")
-            with contextlib.suppress(httpx.TransportError):
-                if client.get(url).status_code == 200:
-                    return True
-            time.sleep(0.1)
-    raise RuntimeError(f"MLServer did not answer {url} with 200 within {timeout_s:.0f} s:\n{_tail(log)}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to the process group, then SIGKILL if it lingers."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
-def _tail(log: Path, chars: int = 3000) -> str:
-    return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
+    return Process.start([str(mlserver), "start", str(folder)], name="MLServer", log=log, append=False, env=env,
+                         cwd=folder, group=True, grace_s=20)  # fmt: skip
