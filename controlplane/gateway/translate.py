@@ -24,6 +24,7 @@ import orjson
 
 from spillway.contract.spec import TensorSpec
 from spillway.contract.v2 import (
+    FLOATS,
     V2_TO_NUMPY,
     InferInput,
     RequestedOutput,
@@ -36,7 +37,6 @@ from spillway.contract.v2 import (
 __all__ = ["BinaryOutputs", "Translated", "TranslationError", "request_to_json", "response_from_json"]
 
 MAX_ELEMENTS = 1 << 26  # per tensor, as the agent's decoder allows by default
-_FLOATS = frozenset({"FP16", "FP32", "FP64", "BF16"})
 _SLOT = "x"  # the name under which one tensor goes through the codec's writer
 
 
@@ -195,7 +195,7 @@ def _json_data(item: InferInput) -> bytes:
     one-output response.
     """
     array = item.array
-    if item.datatype in _FLOATS and not np.isfinite(array).all():
+    if item.datatype in FLOATS and not np.isfinite(array).all():
         raise TranslationError(f"input {item.name!r}: NaN and Infinity cannot be sent as JSON to this backend")
     if item.datatype != "BYTES" and array.dtype != V2_TO_NUMPY[item.datatype]:
         array = array.astype(V2_TO_NUMPY[item.datatype])  # a big-endian host: binary data arrives little-endian

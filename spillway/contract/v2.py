@@ -31,17 +31,27 @@ import numpy as np
 from spillway.contract.spec import V2_DATATYPES, TensorSpec
 
 __all__ = [
+    "FLOATS",
     "NUMPY_TO_V2",
     "V2_TO_NUMPY",
+    "BodyTooLarge",
+    "ClientGone",
     "DecodedRequest",
     "InferInput",
     "RequestedOutput",
     "TensorError",
+    "deadline_us",
     "decode_json_tensor",
     "decode_request",
     "encode_error",
     "encode_response",
+    "parse_header_length",
+    "parse_timeout_budget_us",
+    "read_body",
+    "request_parameters",
+    "scheduling_parameters",
     "validate_inputs",
+    "with_parameters",
 ]
 
 
@@ -84,7 +94,7 @@ NUMPY_TO_V2: dict[np.dtype[Any], str] = {dtype: name for name, dtype in V2_TO_NU
 _WIRE: dict[str, np.dtype[Any]] = {
     name: dtype if name in ("BYTES", "BF16") else dtype.newbyteorder("<") for name, dtype in V2_TO_NUMPY.items()
 }
-_FLOATS = frozenset({"FP16", "FP32", "FP64", "BF16"})
+FLOATS = frozenset({"FP16", "FP32", "FP64", "BF16"})  # the floating-point V2 datatypes (NaN and Inf possible)
 # printf formats that round-trip each float type through a float64 parse (as every JSON client does):
 # the printed decimal lies far closer to the value than to the midpoint with its neighbour.
 _FLOAT_FORMATS = {"FP16": "%.5g,", "FP32": "%.9g,", "BF16": "%.4g,"}
@@ -367,7 +377,7 @@ def _array_from_json(data: list[Any], datatype: str, shape: tuple[int, ...], cou
     if kind == "O":
         found = _numbers_from_objects(found, datatype, label)
         kind = found.dtype.kind
-    if datatype in _FLOATS:
+    if datatype in FLOATS:
         if kind not in "iuf":
             raise TensorError(f"{label}: {datatype} needs numbers, got {_KIND_NAMES.get(kind, kind)}")
         with np.errstate(over="ignore"):
@@ -401,7 +411,7 @@ def _numbers_from_objects(found: np.ndarray, datatype: str, label: str) -> np.nd
         raise TensorError(
             f"{label}: {datatype} needs numbers, got {_brief(next(v for v in values if type(v) not in (int, float)))}"
         )
-    if datatype not in _FLOATS:
+    if datatype not in FLOATS:
         raise TensorError(f"{label}: a value is outside the {datatype} range")
     return np.asarray(values, dtype=np.float64).reshape(found.shape)
 
@@ -564,7 +574,7 @@ def validate_inputs(
                 batch, batch_from = size, item.name
             elif size != batch:
                 raise TensorError(f"{label}: batch size {size} disagrees with {_input_label(batch_from)} ({batch})")
-        if not allow_non_finite and item.datatype in _FLOATS and not np.isfinite(item.array).all():
+        if not allow_non_finite and item.datatype in FLOATS and not np.isfinite(item.array).all():
             raise TensorError(f"{label}: holds NaN or Inf, which this model does not accept")
     missing = [spec.name for spec in specs if spec.name not in seen]
     if missing:
