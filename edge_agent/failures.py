@@ -1,9 +1,11 @@
 """A streak of failures of one kind of work (policy polls, writes to a full disk), logged once when it begins and
 once when it ends, however many failures came between: a device that cannot reach its control plane or write its
-disk for an hour must not write a line per request."""
+disk for an hour must not write a line per request. And the stopping of such work's background loop."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -34,3 +36,12 @@ class FailureStreak:
 
     def json(self) -> dict[str, Any]:
         return {"ok": self.failures == 0, "consecutive_failures": self.failures, "last_error": self.last_error}
+
+
+async def cancelled(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a background loop's task and wait until it has stopped (None: nothing was started)."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from edge_agent.failures import FailureStreak
+from edge_agent.failures import FailureStreak, cancelled
 from edge_agent.overflow.jobs import Job, JobNotRunning, JobStore, StoreUnavailable
 from edge_agent.scheduling.worker import ExecutionFailed, Refused
 from spillway.contract.v2 import RequestedOutput, TensorError, decode_request, encode_response, validate_inputs
@@ -108,11 +108,8 @@ class AsyncQueue:
             self._task = asyncio.get_running_loop().create_task(self._drain_forever(), name="spillway-jobs")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancelled(self._task)
+        self._task = None
         for task in list(self._running):  # a job cut short is "running" on disk: the next start requeues it
             task.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)

@@ -13,7 +13,6 @@ plane answers (a restart without it must find the active policy).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import random
@@ -25,7 +24,7 @@ from urllib.parse import quote
 from pydantic import ValidationError
 
 from edge_agent.errors import AgentError
-from edge_agent.failures import FailureStreak
+from edge_agent.failures import FailureStreak, cancelled
 from edge_agent.policy.apply import PolicyApplier, isoformat_utc
 from spillway.contract.policy import parse
 
@@ -197,11 +196,8 @@ class PolicyPoller:
         self._task = asyncio.get_running_loop().create_task(self.run(), name="policy-poll")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancelled(self._task)
+        self._task = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
