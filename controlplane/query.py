@@ -1,5 +1,6 @@
-"""One agent's recent telemetry read back from its minute rollups: request rates and outcome mix, latency
-percentiles, queue and compute times, batch sizes, queue depths and device gauges.
+"""The minute rollups read back: one reader that every part decoding them uses (`read_rollups`, `RollupReader`),
+and one agent's recent telemetry summarised from them: request rates and outcome mix, latency percentiles, queue
+and compute times, batch sizes, queue depths and device gauges.
 
 Histograms keep OTLP's explicit-bucket layout (bucket i holds (bounds[i-1], bounds[i]], the last one is +Inf).
 Percentiles are estimated like Prometheus' `histogram_quantile`: linear interpolation inside the bucket that holds
@@ -13,18 +14,24 @@ import json
 import math
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from itertools import pairwise
 from typing import Any
 
-from sqlalchemy import or_, select
+import orjson
+from sqlalchemy import ColumnElement, String, and_, or_, select, type_coerce
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from controlplane.db.models import Agent, MetricRollup, utcnow
 from controlplane.errors import NotFound, ValidationFailed
 from spillway.contract.names import (
+    ATTR_MODEL,
+    ATTR_OUTCOME,
+    ATTR_PRIORITY,
+    ATTR_VERSION,
     BATCH_SIZE,
     COMPUTE_DURATION,
     QUEUE_DEPTH,
@@ -90,18 +97,20 @@ class Histogram:
     @classmethod
     def of(cls, bounds: Any, buckets: Any, count: Any, total: Any) -> Histogram | None:
         """A checked histogram from stored values, or None when they are not a well-formed layout."""
+        return cls.on(_bounds(bounds), buckets, count, total)
+
+    @classmethod
+    def on(cls, bounds: tuple[float, ...] | None, buckets: Any, count: Any, total: Any) -> Histogram | None:
+        """`of`, with bounds checked already (by `_bounds`: None if they are not well-formed)."""
+        if bounds is None:
+            return None
         try:
-            b = tuple(float(v) for v in bounds)
-            c = tuple(float(v) for v in buckets)
+            c = tuple(map(float, buckets))
         except (TypeError, ValueError):
             return None
-        well_formed = (
-            len(c) == len(b) + 1
-            and all(math.isfinite(v) for v in b)
-            and all(x < y for x, y in pairwise(b))
-            and all(math.isfinite(v) and v >= 0 for v in c)
-        )
-        return cls(b, c, float(count or 0), float(total or 0.0)) if well_formed else None
+        if len(c) != len(bounds) + 1 or not all(map(math.isfinite, c)) or min(c) < 0:
+            return None
+        return cls(bounds, c, float(count or 0), float(total or 0.0))
 
     def onto(self, bounds: tuple[float, ...]) -> Histogram:
         """The same observations on coarser `bounds`, a subset of this layout's: exact, no interpolation."""
@@ -116,6 +125,15 @@ class Histogram:
     @property
     def mean(self) -> float | None:
         return self.total / self.count if self.count > 0 else None
+
+
+def _bounds(values: Any) -> tuple[float, ...] | None:
+    """Finite, strictly increasing bucket bounds, or None."""
+    try:
+        bounds = tuple(map(float, values))
+    except (TypeError, ValueError):
+        return None
+    return bounds if all(map(math.isfinite, bounds)) and all(x < y for x, y in pairwise(bounds)) else None
 
 
 def merge_histograms(histograms: Iterable[Histogram]) -> Histogram | None:
@@ -216,38 +234,168 @@ def window_start(now: datetime, window_s: int) -> datetime:
     return start.replace(second=0, microsecond=0)
 
 
-def read_rollups(session: Session, agent_id: str, since: datetime) -> Iterable[Any]:
-    """The agent's rollups this summary reads (its request metrics and every gauge), streamed."""
-    columns = (MetricRollup.metric, MetricRollup.kind, MetricRollup.attributes, MetricRollup.minute,
-               MetricRollup.count, MetricRollup.total, MetricRollup.buckets, MetricRollup.bounds,
-               MetricRollup.last, MetricRollup.min, MetricRollup.max)  # fmt: skip
-    query = select(*columns).where(
-        MetricRollup.agent_id == agent_id,
-        MetricRollup.minute >= since,
-        or_(MetricRollup.metric.in_((REQUESTS, *_DURATIONS, BATCH_SIZE)), MetricRollup.kind == "gauge"),
-    )
-    return session.execute(query.execution_options(yield_per=2000))
+# ---- the one reader of the minute rollups ---------------------------------------------------------------------
 
 
-def summarise(rows: Iterable[Any], *, since: datetime, until: datetime) -> dict[str, Any]:
-    """The summary of `rows` (minute rollups from `since` to `until`); pure, so it is checked without a database."""
+@dataclass(slots=True)
+class Rollup:
+    """One series' minute rollup, decoded: what every reader of the rollups works from. A value, not to be changed
+    (left unfrozen only because a frozen dataclass costs four times as much to make, and the SLO evaluator makes
+    one for every recent rollup of the fleet on every cycle)."""
+
+    agent: str
+    metric: str
+    kind: str  # sum | histogram | gauge
+    series: str  # hashes the metric and its attributes
+    minute: datetime  # the minute's start, UTC
+    attributes: Mapping[str, Any]  # the series' attributes (shared by its rollups: do not change them)
+    count: float  # histogram observations, or gauge samples
+    total: float  # a sum's increase, a histogram's sum of observations, or a gauge's sum of samples
+    histogram: Histogram | None = None  # a histogram's buckets and bounds; None without a well-formed layout
+    last: float | None = None  # a gauge's readings in the minute, each None unless a finite number
+    min: float | None = None
+    max: float | None = None
+
+    @classmethod
+    def of(cls, row: Any) -> Rollup:
+        """From a row read with the ORM's types (a `MetricRollup`, or some of its columns: agent_id and series
+        may be left out)."""
+        gauge = row.kind == "gauge"
+        return cls(
+            getattr(row, "agent_id", ""), row.metric, row.kind, getattr(row, "series", ""), _raw_minute(row.minute),
+            row.attributes if isinstance(row.attributes, dict) else {}, float(row.count or 0), float(row.total or 0.0),
+            Histogram.of(row.bounds, row.buckets, row.count, row.total) if row.kind == "histogram" else None,
+            _finite(row.last) if gauge else None, _finite(row.min) if gauge else None,
+            _finite(row.max) if gauge else None,
+        )  # fmt: skip
+
+
+_HEAD = (MetricRollup.id, MetricRollup.agent_id, MetricRollup.metric, MetricRollup.kind, MetricRollup.series,
+         type_coerce(MetricRollup.minute, String), MetricRollup.count, MetricRollup.total)  # fmt: skip
+_HISTOGRAM = (type_coerce(MetricRollup.buckets, String), type_coerce(MetricRollup.bounds, String))
+_GAUGE = (MetricRollup.last, MetricRollup.min, MetricRollup.max)
+"""Columns read raw (JSON and timestamps as the driver hands them over) and decoded here, each only as far as
+needed: the SLO evaluator re-reads the last minutes of every agent on every cycle. A histogram's or a gauge's own
+columns are read only where the selection may hold one."""
+
+
+class RollupReader:
+    """Selects minute rollups and decodes each into a `Rollup`.
+
+    A series' attributes never change (its key hashes them), so a reader decodes them once per series, from one of
+    its rows, and remembers them: keep one reader to re-read the same series cheaply (as the SLO windows do).
+    """
+
+    CHUNK = 500  # agents, or series, in one IN (...)
+    BATCH = 5000  # rows fetched at a time
+
+    def __init__(self) -> None:
+        self._attributes: dict[str, dict[str, Any]] = {}
+
+    def read(self, session: Session, *, since: datetime, until: datetime | None = None,
+             agents: Collection[str] | None = None, metrics: Collection[str] | None = None,
+             kinds: Collection[str] | None = None, every_gauge: bool = False) -> Iterator[Rollup]:  # fmt: skip
+        """The rollups of the minutes from `since` (to `until`, both included) of `agents` (None: every agent),
+        of `metrics` and `kinds` (None: any), and with `every_gauge` every gauge as well, whatever its metric;
+        streamed, in no particular order."""
+        where: list[ColumnElement[bool]] = [MetricRollup.minute >= since]
+        if until is not None:
+            where.append(MetricRollup.minute <= until)
+        chosen: list[ColumnElement[bool]] = []
+        if metrics is not None:
+            chosen.append(MetricRollup.metric.in_(metrics))
+        if kinds is not None:
+            chosen.append(MetricRollup.kind.in_(kinds))
+        if chosen and every_gauge:
+            where.append(or_(and_(*chosen), MetricRollup.kind == "gauge"))
+        else:
+            where.extend(chosen)  # nothing chosen: every rollup, gauges included
+        histograms = kinds is None or "histogram" in kinds
+        gauges = kinds is None or "gauge" in kinds or every_gauge
+        columns = (*_HEAD, *(_HISTOGRAM if histograms else ()), *(_GAUGE if gauges else ()))
+        at = len(_HEAD) + (len(_HISTOGRAM) if histograms else 0)  # where a gauge's columns start
+        minutes: dict[Any, datetime] = {}  # raw minute -> decoded
+        layouts: dict[Any, tuple[float, ...] | None] = {}  # raw bounds -> checked
+        connection, known = session.connection(), self._attributes
+        for chunk in [None] if agents is None else _chunks(sorted(agents), self.CHUNK):
+            query = select(*columns).where(*where, *([] if chunk is None else [MetricRollup.agent_id.in_(chunk)]))
+            for rows in connection.execute(query.execution_options(yield_per=self.BATCH)).partitions():
+                self._learn(connection, rows)
+                for row in rows:
+                    kind, minute = row[3], minutes.get(row[5])
+                    if minute is None:
+                        minute = minutes[row[5]] = _raw_minute(row[5])
+                    histogram = None
+                    if histograms and kind == "histogram":  # only a histogram's buckets and bounds are parsed
+                        raw = row[9]
+                        if not isinstance(raw, str | bytes):  # parsed already (JSONB): not a key
+                            bounds = _bounds(raw)
+                        elif raw in layouts:  # one layout (each agent's, as a rule): parsed and checked once
+                            bounds = layouts[raw]
+                        else:
+                            bounds = layouts[raw] = _bounds(_raw_json(raw))
+                        histogram = Histogram.on(bounds, _raw_json(row[8]), row[6], row[7])
+                    last = low = high = None
+                    if gauges and kind == "gauge":
+                        last, low, high = _finite(row[at]), _finite(row[at + 1]), _finite(row[at + 2])
+                    yield Rollup(row[1], row[2], kind, row[4], minute, known[row[4]], float(row[6] or 0),
+                                 float(row[7] or 0.0), histogram, last, low, high)  # fmt: skip
+
+    def _learn(self, connection: Connection, rows: Sequence[Any]) -> None:
+        """Decode the attributes of the series among `rows` not seen before, each from one of its rows."""
+        unknown = {row[4]: row[0] for row in rows if row[4] not in self._attributes}
+        for chunk in _chunks(list(unknown.values()), self.CHUNK):
+            query = select(MetricRollup.series, type_coerce(MetricRollup.attributes, String))
+            for series, attributes in connection.execute(query.where(MetricRollup.id.in_(chunk))):
+                decoded = _raw_json(attributes)
+                self._attributes[series] = decoded if isinstance(decoded, dict) else {}
+
+
+def read_rollups(session: Session, *, since: datetime, until: datetime | None = None,
+                 agents: Collection[str] | None = None, metrics: Collection[str] | None = None,
+                 kinds: Collection[str] | None = None, every_gauge: bool = False) -> Iterator[Rollup]:  # fmt: skip
+    """`RollupReader.read` with a reader of its own."""
+    return RollupReader().read(session, since=since, until=until, agents=agents, metrics=metrics, kinds=kinds,
+                               every_gauge=every_gauge)  # fmt: skip
+
+
+def _raw_minute(value: Any) -> datetime:
+    """A minute column read raw: a datetime (PostgreSQL) or SQLite's ISO text; UTC either way."""
+    moment = value if isinstance(value, datetime) else datetime.fromisoformat(value)
+    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
+
+
+def _raw_json(value: Any) -> Any:
+    """A JSON column read raw: text (SQLite) or already parsed (PostgreSQL's JSONB, or a row read with the ORM)."""
+    return orjson.loads(value) if isinstance(value, str | bytes) else value
+
+
+def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+# ---- one agent's summary --------------------------------------------------------------------------------------
+
+
+def summarise(rows: Iterable[Rollup | Any], *, since: datetime, until: datetime) -> dict[str, Any]:
+    """The summary of `rows` (minute rollups from `since` to `until`: decoded, or rows for `Rollup.of`); pure, so
+    it is checked without a database."""
     traffic: dict[tuple[str | None, int | None], _Traffic] = defaultdict(_Traffic)
     batches: dict[str | None, _Layouts] = defaultdict(_Layouts)
     gauges: dict[tuple[str, str], _Gauge] = {}
     for row in rows:
-        attributes = row.attributes if isinstance(row.attributes, dict) else {}
-        model = _model(attributes.get("model"))
-        if row.metric == BATCH_SIZE and row.kind == "histogram":
-            histogram = Histogram.of(row.bounds, row.buckets, row.count, row.total)
-            if histogram is not None:  # a malformed layout gives nothing to estimate from
-                batches[model].add(histogram)
+        rollup = row if isinstance(row, Rollup) else Rollup.of(row)
+        if rollup.metric == BATCH_SIZE and rollup.kind == "histogram":
+            if rollup.histogram is not None:  # a malformed layout gives nothing to estimate from
+                batches[_model(rollup.attributes.get(ATTR_MODEL))].add(rollup.histogram)
             continue
-        if row.kind == "gauge" and not row.metric.startswith("spillway."):
-            _fold_gauge(gauges, row, attributes)
+        if rollup.kind == "gauge" and not rollup.metric.startswith("spillway."):
+            _fold_gauge(gauges, rollup)
             continue
-        group = _fold_traffic(traffic, row, attributes)
-        if group is not None and "model.version" in attributes:
-            group.versions.add(str(attributes["model.version"]))
+        group = _fold_traffic(traffic, rollup)
+        if group is not None and ATTR_VERSION in rollup.attributes:
+            group.versions.add(str(rollup.attributes[ATTR_VERSION]))
     seconds = max((until - since).total_seconds(), 1.0)
     outcomes: dict[str, float] = defaultdict(float)
     for group in traffic.values():
@@ -266,31 +414,28 @@ def summarise(rows: Iterable[Any], *, since: datetime, until: datetime) -> dict[
     }
 
 
-def _fold_traffic(
-    traffic: dict[tuple[str | None, int | None], _Traffic], row: Any, attributes: dict[str, Any]
-) -> _Traffic | None:
+def _fold_traffic(traffic: dict[tuple[str | None, int | None], _Traffic], rollup: Rollup) -> _Traffic | None:
     """Adds a request, duration or queue-depth rollup to its (model, priority); None for anything else."""
-    key = (_model(attributes.get("model")), _priority(attributes.get("priority")))
-    if row.metric == REQUESTS and row.kind == "sum":
+    attributes = rollup.attributes
+    key = (_model(attributes.get(ATTR_MODEL)), _priority(attributes.get(ATTR_PRIORITY)))
+    if rollup.metric == REQUESTS and rollup.kind == "sum":
         group = traffic[key]
-        group.outcomes[str(attributes.get("outcome"))] += _finite(row.total) or 0.0
+        group.outcomes[str(attributes.get(ATTR_OUTCOME))] += _finite(rollup.total) or 0.0
         return group
-    if row.metric in _DURATIONS and row.kind == "histogram":
-        histogram = Histogram.of(row.bounds, row.buckets, row.count, row.total)
-        if histogram is None:
+    if rollup.metric in _DURATIONS and rollup.kind == "histogram":
+        if rollup.histogram is None:
             return None
         group = traffic[key]
-        if attributes.get("outcome") == SERVED:
-            group.durations[row.metric].add(histogram)
+        if attributes.get(ATTR_OUTCOME) == SERVED:
+            group.durations[rollup.metric].add(rollup.histogram)
         return group
-    if row.metric == QUEUE_DEPTH and row.kind == "gauge":
-        last, high = _finite(row.last), _finite(row.max)
-        if last is None or high is None:
+    if rollup.metric == QUEUE_DEPTH and rollup.kind == "gauge":
+        if rollup.last is None or rollup.max is None:
             return None
         group = traffic[key]
-        sums = group.depth_by_minute.setdefault(row.minute, [0.0, 0.0])
-        sums[0] += last  # one series per model version: their queues add up
-        sums[1] += high
+        sums = group.depth_by_minute.setdefault(rollup.minute, [0.0, 0.0])
+        sums[0] += rollup.last  # one series per model version: their queues add up
+        sums[1] += rollup.max
         return group
     return None
 
@@ -299,12 +444,12 @@ def _order(key: tuple[str | None, int | None]) -> tuple[str, int]:
     return (key[0] or "", -1 if key[1] is None else key[1])
 
 
-def _fold_gauge(gauges: dict[tuple[str, str], _Gauge], row: Any, attributes: dict[str, Any]) -> None:
-    ident = (row.metric, json.dumps(attributes, sort_keys=True, default=str))
-    gauge = gauges.setdefault(ident, _Gauge(row.metric, _plain(attributes)))
-    last, low, high = _finite(row.last), _finite(row.min), _finite(row.max)
-    if last is not None and (gauge.at is None or row.minute > gauge.at):
-        gauge.last, gauge.at = last, row.minute
+def _fold_gauge(gauges: dict[tuple[str, str], _Gauge], rollup: Rollup) -> None:
+    ident = (rollup.metric, json.dumps(rollup.attributes, sort_keys=True, default=str))
+    gauge = gauges.setdefault(ident, _Gauge(rollup.metric, _plain(dict(rollup.attributes))))
+    last, low, high = rollup.last, rollup.min, rollup.max
+    if last is not None and (gauge.at is None or rollup.minute > gauge.at):
+        gauge.last, gauge.at = last, rollup.minute
     if low is not None:
         gauge.min = low if gauge.min is None else min(gauge.min, low)
     if high is not None:
@@ -376,12 +521,16 @@ def agent_metrics(
         raise NotFound(f"no agent with id '{agent_id}'")
     now = (now or utcnow()).astimezone(timezone.utc)
     since = window_start(now, window_s)
-    summary = summarise(read_rollups(session, agent.id, since), since=since, until=now)
+    rollups = read_rollups(session, since=since, agents=(agent.id,), metrics=(REQUESTS, *_DURATIONS, BATCH_SIZE),
+                           every_gauge=True)  # its request metrics and every gauge  # fmt: skip
+    summary = summarise(rollups, since=since, until=now)
     return {"agent": agent.id, "name": agent.name, "window": window_s, **summary}
 
 
 __all__ = [
     "Histogram",
+    "Rollup",
+    "RollupReader",
     "agent_metrics",
     "histogram_quantile",
     "merge_histograms",

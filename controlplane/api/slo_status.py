@@ -13,7 +13,7 @@ from controlplane.db import repository as repo
 from controlplane.errors import NotFound
 from controlplane.schemas.common import Duration
 from controlplane.settings import Settings
-from controlplane.slo.windows import Evaluation, SloWindows
+from controlplane.slo import Evaluation, SloWindows
 
 
 class AlertStatus(BaseModel):

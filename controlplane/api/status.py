@@ -7,19 +7,20 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from sqlalchemy import select, text
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from controlplane import __version__
 from controlplane.access import agent_counts
 from controlplane.api.agent_metrics import Window
 from controlplane.api.deps import SessionDep, SettingsDep, Viewer
-from controlplane.db.models import Backend, MetricRollup, Rule, Slo, utcnow
+from controlplane.db.models import Backend, Rule, Slo, utcnow
 from controlplane.db.repository import count
 from controlplane.errors import ValidationFailed
-from controlplane.query import REQUEST_DURATION, REQUESTS, SERVED, Histogram, merge_histograms, summarise
+from controlplane.query import REQUEST_DURATION, REQUESTS, SERVED, merge_histograms, read_rollups, summarise
 from controlplane.schemas.common import Duration, format_duration
 from controlplane.slo.windows import SloWindows
+from spillway.contract.names import ATTR_OUTCOME
 
 log = logging.getLogger("spillway.controlplane")
 probes = APIRouter(tags=["probes"])
@@ -148,14 +149,9 @@ MAX_LIVE_WINDOW_S = 86400
 def live_traffic(session: Session, window_s: int, now: datetime) -> dict[str, Any]:
     """Request rates, outcomes and latency of the whole fleet over the window, from the minute rollups."""
     since = (now - timedelta(seconds=window_s)).replace(second=0, microsecond=0)
-    columns = (MetricRollup.metric, MetricRollup.kind, MetricRollup.attributes, MetricRollup.minute,
-               MetricRollup.count, MetricRollup.total, MetricRollup.buckets, MetricRollup.bounds,
-               MetricRollup.last, MetricRollup.min, MetricRollup.max)  # fmt: skip
-    query = select(*columns).where(MetricRollup.metric.in_((REQUESTS, REQUEST_DURATION)), MetricRollup.minute >= since)
-    rows = session.execute(query.execution_options(yield_per=5000)).all()
+    rows = list(read_rollups(session, since=since, metrics=(REQUESTS, REQUEST_DURATION)))
     summary = summarise(rows, since=since, until=now)
-    served = (Histogram.of(r.bounds, r.buckets, r.count, r.total) for r in rows
-              if r.metric == REQUEST_DURATION and (r.attributes or {}).get("outcome") == SERVED)  # fmt: skip
+    served = (r.histogram for r in rows if r.metric == REQUEST_DURATION and r.attributes.get(ATTR_OUTCOME) == SERVED)
     merged = merge_histograms(h for h in served if h is not None)
     p50, p99 = (merged.quantile(0.5), merged.quantile(0.99)) if merged else (None, None)
     traffic = [{"model": t["model"], "priority": t["priority"], "requests": t["requests"], "rps": t["rps"],

@@ -1,1 +1,7 @@
-"""The control loop: degradation rules evaluated against telemetry, composed into per-agent policy documents."""
+"""The control loop: degradation rules evaluated against telemetry, composed into per-agent policy documents.
+
+Other packages import what `__all__` names, from here; the modules are this package's own business."""
+
+from controlplane.rules.loop import ControlLoop, CycleReport, Leadership, PolicyDefaults, current_policy
+
+__all__ = ["ControlLoop", "CycleReport", "Leadership", "PolicyDefaults", "current_policy"]

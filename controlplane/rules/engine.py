@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from controlplane.schemas.rules import Hysteresis as RuleHysteresis
+
 HOUR_S = 3600.0
 
 
@@ -27,13 +29,13 @@ class Hysteresis:
     max_flaps_per_hour: int = 4
 
     @classmethod
-    def of(cls, stored: dict[str, Any]) -> Hysteresis:
-        held = stored.get("for", stored.get("for_", 0))  # stored by field name (for_), sent by alias (for)
+    def of(cls, rule: RuleHysteresis) -> Hysteresis:
+        """The timings of a rule's (parsed) hysteresis, in seconds."""
         return cls(
-            for_s=float(held or 0),
-            recover_after_s=float(stored.get("recover_after", 0) or 0),
-            recovery_steps=int(stored.get("recovery_steps", 1) or 1),
-            max_flaps_per_hour=int(stored.get("max_flaps_per_hour", 4) or 4),
+            for_s=float(rule.for_),
+            recover_after_s=float(rule.recover_after),
+            recovery_steps=rule.recovery_steps,
+            max_flaps_per_hour=rule.max_flaps_per_hour,
         )
 
 

@@ -24,9 +24,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from controlplane.db.models import Agent, Policy, Rule, RuleState, Slo, utcnow
 from controlplane.db.repository import Actor, record_event
 from controlplane.rules.engine import Hysteresis, State, Transition, advance
-from controlplane.rules.observe import Observer, Seen, read_gauges, selected
+from controlplane.rules.observe import Observer, Seen, read_gauges
 from controlplane.rules.policy import Active, compose, document, same_content, stepped_action
-from controlplane.slo.windows import SloWindows
+from controlplane.schemas.rules import RuleSpec, parse_rules
+from controlplane.slo import SloWindows
 
 log = logging.getLogger("spillway.controlplane.loop")
 LOOP_LOCK = 0x5370_4C70  # "SpLp": the replica holding it runs the control loop
@@ -97,7 +98,7 @@ class ControlLoop:
         self.windows.evaluate(session, now)
         if self.states is None:
             self.states = self._read_states(session)
-        rules = list(session.scalars(select(Rule).where(Rule.enabled.is_(True)).order_by(Rule.name)))
+        rules = parse_rules(session.scalars(select(Rule).where(Rule.enabled.is_(True)).order_by(Rule.name)))
         agents = {a.id: a for a in session.scalars(select(Agent))}
         observer = Observer(
             self.windows, {s.name: s.id for s in session.scalars(select(Slo))}, read_gauges(session, now),
@@ -106,14 +107,13 @@ class ControlLoop:
         seen_keys: set[tuple[str, str]] = set()
         changed: dict[tuple[str, str], tuple[State, dict[str, Any]]] = {}
         for rule in rules:
-            hysteresis = Hysteresis.of(rule.hysteresis or {})
-            model = (rule.selector or {}).get("model")
+            hysteresis = Hysteresis.of(rule.hysteresis)
             for agent in agents.values():
-                if not selected(agent.labels or {}, rule.selector or {}):
+                if not rule.selector.matches(agent.labels or {}):
                     continue
                 key = (rule.id, agent.id)
                 seen_keys.add(key)
-                seen = observer.see(rule.id, rule.condition, model, agent.id)
+                seen = observer.see(rule.id, rule.condition, rule.selector.model, agent.id)
                 before = self.states.get(key, State())
                 after, transition = advance(before, seen.met, _ts(now), hysteresis)
                 report.pairs += 1
@@ -129,13 +129,13 @@ class ControlLoop:
         report.published = self._publish(session, rules, agents)
         return report
 
-    def _record(self, session: Session, rule: Rule, agent: Agent, transition: Transition, seen: Seen,
+    def _record(self, session: Session, rule: RuleSpec, agent: Agent, transition: Transition, seen: Seen,
                 now: datetime) -> dict[str, Any]:  # fmt: skip
         kind = f"rule.{'would_' if rule.dry_run else ''}{transition.kind}"
-        action = stepped_action(rule.action, transition.state.step) if transition.state.active else dict(rule.action)
+        action = stepped_action(rule.action, transition.state.step).model_dump() if transition.state.active else None
         data = {
-            "rule": rule.name, "agent": agent.name, "condition": rule.condition, "observed": seen.numbers,
-            "action": action if transition.state.active else None, "state": transition.state.state,
+            "rule": rule.name, "agent": agent.name, "condition": rule.condition.model_dump(), "observed": seen.numbers,
+            "action": action, "state": transition.state.state,
             "step": transition.state.step, "dry_run": rule.dry_run, **transition.data,
         }  # fmt: skip
         record_event(session, kind=kind, actor=ACTOR, subject_type="rule", subject_id=rule.id, agent_id=agent.id,
@@ -167,7 +167,7 @@ class ControlLoop:
                 for name, value in values.items():
                     setattr(row, name, value)
 
-    def _publish(self, session: Session, rules: list[Rule], agents: dict[str, Agent]) -> dict[str, int]:
+    def _publish(self, session: Session, rules: list[RuleSpec], agents: dict[str, Agent]) -> dict[str, int]:
         """A new document for every agent whose content changed; returns agent -> version published."""
         assert self.states is not None
         by_id = {r.id: r for r in rules}
@@ -176,8 +176,8 @@ class ControlLoop:
             rule = by_id.get(rule_id)
             if rule is None or rule.dry_run or not state.active or agent_id not in active:
                 continue
-            active[agent_id].append(Active(rule.id, rule.name, dict(rule.action), (rule.selector or {}).get("model"),
-                                           state.step, _dt(state.fired_at)))  # fmt: skip
+            active[agent_id].append(Active(rule.id, rule.name, rule.action, rule.selector.model, state.step,
+                                           _dt(state.fired_at)))  # fmt: skip
         stored = {p.agent_id: p for p in session.scalars(select(Policy))}
         published = {}
         for agent_id, items in active.items():

@@ -15,19 +15,27 @@ A ratio condition under its `min_requests` is not met: a quiet device with one s
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controlplane.db.models import MetricRollup
-from controlplane.slo.maths import Counts, burn_rate
-from controlplane.slo.windows import SloWindows
+from controlplane.query import Rollup, read_rollups
+from controlplane.schemas.rules import (
+    BurnRateCondition,
+    Condition,
+    ErrorRatioCondition,
+    GaugeCondition,
+    GaugeMetric,
+    LatencyCondition,
+    StaleCondition,
+    unknown_kind,
+)
+from controlplane.slo import Counts, SloWindows, burn_rate
 from spillway.contract.names import (
+    ATTR_MODEL,
     DEVICE_GAUGES,
     GPU_MEMORY_LIMIT,
     GPU_MEMORY_USAGE,
@@ -56,7 +64,7 @@ class AgentGauges:
     gpu_utilization: float | None = None
     gpu_temperature_c: float | None = None
 
-    def value(self, metric: str, model: str | None) -> float | None:
+    def value(self, metric: GaugeMetric, model: str | None) -> float | None:
         if metric == "queue_depth":
             if model is not None:
                 return self.queue_depth.get(model, 0.0) if self.queue_depth else None
@@ -73,35 +81,32 @@ class AgentGauges:
             return self.gpu_temperature_c
         if metric == "gpu_utilization":
             return self.gpu_utilization
-        raise ValueError(f"unknown gauge metric {metric}")
+        unknown_kind(metric)
 
 
 def read_gauges(session: Session, now: datetime) -> dict[str, AgentGauges]:
     """Every agent's latest gauge readings from the rollups of the current and the previous minute."""
     since = now.replace(second=0, microsecond=0) - timedelta(minutes=1)
-    query = select(MetricRollup.agent_id, MetricRollup.metric, MetricRollup.series, MetricRollup.minute,
-                   MetricRollup.attributes, MetricRollup.last).where(
-        MetricRollup.metric.in_(GAUGE_METRICS), MetricRollup.minute >= since, MetricRollup.kind == "gauge")  # fmt: skip
-    latest: dict[tuple[str, str], Any] = {}
-    for row in session.execute(query):
-        key = (row.agent_id, row.series)
-        if key not in latest or row.minute > latest[key].minute:
-            latest[key] = row
+    latest: dict[tuple[str, str], Rollup] = {}
+    for rollup in read_rollups(session, since=since, metrics=GAUGE_METRICS, kinds=("gauge",)):
+        key = (rollup.agent, rollup.series)
+        if key not in latest or rollup.minute > latest[key].minute:
+            latest[key] = rollup
     gauges: dict[str, AgentGauges] = defaultdict(AgentGauges)
-    for (agent, _), row in latest.items():
-        if row.last is None:
+    for (agent, _), rollup in latest.items():
+        if rollup.last is None:
             continue
-        g, attributes = gauges[agent], row.attributes or {}
-        if row.metric == QUEUE_DEPTH:
-            g.queue_depth[str(attributes.get("model"))] += row.last
-        elif row.metric == GPU_MEMORY_USAGE:
-            g.gpu_memory_used = (g.gpu_memory_used or 0.0) + row.last
-        elif row.metric == GPU_MEMORY_LIMIT:
-            g.gpu_memory_limit = (g.gpu_memory_limit or 0.0) + row.last
-        elif row.metric == GPU_UTILIZATION:
-            g.gpu_utilization = max(g.gpu_utilization or 0.0, row.last)
-        elif row.metric == TEMPERATURE:
-            g.gpu_temperature_c = max(g.gpu_temperature_c or -273.0, row.last)
+        g, last = gauges[agent], rollup.last
+        if rollup.metric == QUEUE_DEPTH:
+            g.queue_depth[str(rollup.attributes.get(ATTR_MODEL))] += last
+        elif rollup.metric == GPU_MEMORY_USAGE:
+            g.gpu_memory_used = (g.gpu_memory_used or 0.0) + last
+        elif rollup.metric == GPU_MEMORY_LIMIT:
+            g.gpu_memory_limit = (g.gpu_memory_limit or 0.0) + last
+        elif rollup.metric == GPU_UTILIZATION:
+            g.gpu_utilization = max(g.gpu_utilization or 0.0, last)
+        elif rollup.metric == TEMPERATURE:
+            g.gpu_temperature_c = max(g.gpu_temperature_c or -273.0, last)
     return gauges
 
 
@@ -125,33 +130,32 @@ class Observer:
             self._sums[key] = None if found is None else ({a: i for i, a in enumerate(found[0])}, found[1])
         return self._sums[key]
 
-    def see(self, rule_id: str, condition: dict[str, Any], model: str | None, agent: str) -> Seen:
-        kind = condition["kind"]
-        if kind == "burn_rate":
-            return self._burn(condition, agent)
-        if kind in ("latency", "error_ratio"):
-            return self._ratio(rule_id, condition, agent)
-        if kind == "gauge":
-            value = self.gauges[agent].value(condition["metric"], model) if agent in self.gauges else None
-            numbers = {"metric": condition["metric"], "value": value, "op": condition["op"],
-                       "threshold": condition["threshold"]}  # fmt: skip
-            met = value is not None and bool(_OPS[condition["op"]](value, condition["threshold"]))
-            return Seen(met, numbers)
-        if kind == "stale":
-            seen_at = self.last_seen.get(agent)
-            after = float(condition.get("after") or self.stale_after_s)
-            if seen_at is None:
-                return Seen(False, {"last_seen": None, "after_s": after})
-            silent = (self.now - seen_at).total_seconds()
-            return Seen(silent > after, {"silent_s": round(silent, 1), "after_s": after})
-        raise ValueError(f"unknown condition kind {kind}")
+    def see(self, rule_id: str, condition: Condition, model: str | None, agent: str) -> Seen:
+        match condition:
+            case BurnRateCondition():
+                return self._burn(condition, agent)
+            case LatencyCondition() | ErrorRatioCondition():
+                return self._ratio(rule_id, condition, agent)
+            case GaugeCondition(metric=metric, op=op, threshold=threshold):
+                value = self.gauges[agent].value(metric, model) if agent in self.gauges else None
+                numbers = {"metric": metric, "value": value, "op": op, "threshold": threshold}
+                return Seen(value is not None and bool(_OPS[op](value, threshold)), numbers)
+            case StaleCondition(after=after):
+                seen_at = self.last_seen.get(agent)
+                after_s = float(after or self.stale_after_s)
+                if seen_at is None:
+                    return Seen(False, {"last_seen": None, "after_s": after_s})
+                silent = (self.now - seen_at).total_seconds()
+                return Seen(silent > after_s, {"silent_s": round(silent, 1), "after_s": after_s})
+            case _:
+                unknown_kind(condition)
 
-    def _burn(self, condition: dict[str, Any], agent: str) -> Seen:
-        slo_id = self.slo_ids.get(condition["slo"])
-        numbers: dict[str, Any] = {"slo": condition["slo"], "threshold": condition["threshold"]}
+    def _burn(self, condition: BurnRateCondition, agent: str) -> Seen:
+        slo_id = self.slo_ids.get(condition.slo)
+        numbers: dict[str, Any] = {"slo": condition.slo, "threshold": condition.threshold}
         if slo_id is None:
             return Seen(False, {**numbers, "error": "no SLO with this name"})
-        found = self._window(slo_id, (int(condition["long_window"]), int(condition["short_window"])))
+        found = self._window(slo_id, (condition.long_window, condition.short_window))
         if found is None or agent not in found[0]:
             return Seen(False, {**numbers, "error": "the SLO does not select this agent"})
         column = found[0][agent]
@@ -159,33 +163,25 @@ class Observer:
         rates = [burn_rate(Counts(float(sums[0, column]), float(sums[1, column])), objective) for sums in found[1]]
         short_total = float(found[1][1][1, column])
         numbers.update(long_burn_rate=rates[0], short_burn_rate=rates[1], requests_short=short_total)
-        met = (rates[0] is not None and rates[1] is not None and short_total >= condition.get("min_requests", 0)
-               and rates[0] >= condition["threshold"] and rates[1] >= condition["threshold"])  # fmt: skip
+        met = (rates[0] is not None and rates[1] is not None and short_total >= condition.min_requests
+               and rates[0] >= condition.threshold and rates[1] >= condition.threshold)  # fmt: skip
         return Seen(met, numbers)
 
-    def _ratio(self, rule_id: str, condition: dict[str, Any], agent: str) -> Seen:
-        found = self._window(f"rule:{rule_id}", (int(condition.get("window", 300)),))
+    def _ratio(self, rule_id: str, condition: LatencyCondition | ErrorRatioCondition, agent: str) -> Seen:
+        found = self._window(f"rule:{rule_id}", (condition.window,))
         if found is None or agent not in found[0]:
             return Seen(False, {"requests": 0})
         column = found[0][agent]
         good, total = float(found[1][0][0, column]), float(found[1][0][1, column])
-        enough = total >= condition.get("min_requests", 0) and total > 0
-        if condition["kind"] == "latency":
+        enough = total >= condition.min_requests and total > 0
+        if isinstance(condition, LatencyCondition):
             share = good / total if total > 0 else None
-            numbers = {"requests": total, "within_threshold": share, "threshold_ms": condition["threshold_ms"],
-                       "quantile": condition["quantile"]}  # fmt: skip
-            return Seen(enough and share is not None and share < condition["quantile"], numbers)
+            numbers = {"requests": total, "within_threshold": share, "threshold_ms": condition.threshold_ms,
+                       "quantile": condition.quantile}  # fmt: skip
+            return Seen(enough and share is not None and share < condition.quantile, numbers)
         ratio = (total - good) / total if total > 0 else None
-        numbers = {"requests": total, "error_ratio": ratio, "threshold": condition["threshold"]}
-        return Seen(enough and ratio is not None and ratio > condition["threshold"], numbers)
+        numbers = {"requests": total, "error_ratio": ratio, "threshold": condition.threshold}
+        return Seen(enough and ratio is not None and ratio > condition.threshold, numbers)
 
 
-def selected(labels: dict[str, Any], selector: dict[str, Any]) -> bool:
-    return all(labels.get(k) == v for k, v in (selector.get("labels") or {}).items())
-
-
-def agents_of(selector: dict[str, Any], agents: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
-    return [a for a, labels in agents if selected(labels, selector)]
-
-
-__all__ = ["AgentGauges", "Observer", "Seen", "agents_of", "read_gauges", "selected"]
+__all__ = ["GAUGE_METRICS", "AgentGauges", "Observer", "Seen", "read_gauges"]

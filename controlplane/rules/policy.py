@@ -19,7 +19,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from spillway.contract.policy import ALL_MODELS, FORMAT, PolicyDocument
+from controlplane.schemas.rules import (
+    Action,
+    FallbackAction,
+    OverflowAction,
+    ShedAction,
+    SwitchVariantAction,
+    TuneBatchingAction,
+    unknown_kind,
+)
+from spillway.contract.policy import ALL_MODELS, Cause, Fallback, ModelPolicy, Overflow, PolicyDocument, Shed
 
 
 @dataclass(frozen=True)
@@ -28,95 +37,98 @@ class Active:
 
     rule_id: str
     name: str
-    action: dict[str, Any]
+    action: Action
     model: str | None
     step: int
     since: datetime | None
 
 
-def stepped_level(action: dict[str, Any], step: int) -> int:
+def stepped_level(level: int, step: int) -> int:
     """The level a shed or fallback covers from after `step` recovery steps (one level fewer each)."""
-    return min(64, int(action["priority_at_or_below"]) + step)
+    return min(64, level + step)
 
 
-def stepped_action(action: dict[str, Any], step: int) -> dict[str, Any]:
+def stepped_action(action: Action, step: int) -> Action:
     """The action as it applies after `step` recovery steps: levels covered shrink by one a step (shed, fallback,
     overflow by priority), an overflow fraction halves."""
     if step <= 0:
-        return dict(action)
-    stepped = dict(action)
-    if action.get("priority_at_or_below") is not None:
-        stepped["priority_at_or_below"] = stepped_level(action, step)
-    if action.get("kind") == "overflow" and action.get("fraction") is not None:
-        stepped["fraction"] = float(action["fraction"]) / 2**step
-    return stepped
+        return action
+    match action:
+        case OverflowAction(fraction=fraction, priority_at_or_below=level):
+            update: dict[str, Any] = {}
+            if level is not None:
+                update["priority_at_or_below"] = stepped_level(level, step)
+            if fraction is not None:
+                update["fraction"] = fraction / 2**step
+            return action.model_copy(update=update)
+        case ShedAction(priority_at_or_below=level) | FallbackAction(priority_at_or_below=level):
+            return action.model_copy(update={"priority_at_or_below": stepped_level(level, step)})
+        case TuneBatchingAction() | SwitchVariantAction():
+            return action
+        case _:
+            unknown_kind(action)
 
 
 def compose(agent_id: str, active: list[Active], *, buckets_ms: list[float], export_interval_s: float,
-            poll_interval_s: float) -> dict[str, Any]:  # fmt: skip
-    """The document's content (everything but its version) for `agent_id` with these rules in force."""
-    models: dict[str, dict[str, Any]] = {}
-    for item in sorted(active, key=lambda a: (a.name, a.rule_id)):
+            poll_interval_s: float) -> PolicyDocument:  # fmt: skip
+    """The document for `agent_id` with these rules in force, at version 0 (`document` gives it its version).
+
+    Raises:
+        ValidationError: a composition the agent would refuse (validated with the agent's own schema).
+    """
+    ordered = sorted(active, key=lambda a: (a.name, a.rule_id))
+    models: dict[str, dict[str, Any]] = {}  # model -> the ModelPolicy fields set so far
+    for item in ordered:
         entry = models.setdefault(item.model or ALL_MODELS, {})
-        action, kind = stepped_action(item.action, item.step), item.action["kind"]
-        if kind == "tune_batching":
-            delay = action.get("max_queue_delay_us")
-            if delay is not None:
-                entry["max_queue_delay_us"] = min(delay, entry.get("max_queue_delay_us", delay))
-            if action.get("preferred_batch_sizes") and "preferred_batch_sizes" not in entry:
-                entry["preferred_batch_sizes"] = list(action["preferred_batch_sizes"])
-        elif kind == "overflow":
-            current = entry.setdefault("overflow", {"fraction": 0.0, "at_or_below": None})
-            if action.get("fraction") is not None:
-                current["fraction"] = max(current["fraction"], float(action["fraction"]))
-            level = action.get("priority_at_or_below")
-            if level is not None:
-                current["at_or_below"] = level if current["at_or_below"] is None else min(current["at_or_below"], level)
-        elif kind == "switch_variant":
-            entry.setdefault("variant", int(action["version"]))
-        elif kind == "shed":
-            level = int(action["priority_at_or_below"])
-            current = entry.get("shed")
-            retry = int(action.get("retry_after_s", 5))
-            if current is None or level < current["at_or_below"]:
-                entry["shed"] = {
-                    "at_or_below": level,
-                    "retry_after_s": max(retry, (current or {}).get("retry_after_s", 0)),
-                }
-            else:
-                current["retry_after_s"] = max(current["retry_after_s"], retry)
-        elif kind == "fallback":
-            level = int(action["priority_at_or_below"])
-            current = entry.get("fallback")
-            if current is None or level < current["at_or_below"]:
-                fallback: dict[str, Any] = {"at_or_below": level, "mode": action.get("mode", "cache")}
-                if action.get("default_outputs") is not None:
-                    fallback["default_outputs"] = action["default_outputs"]
-                entry["fallback"] = fallback
-        # kinds this agent cannot apply (added by later issues) are left out rather than half-applied
-    causes = [
-        {"rule": a.rule_id, "name": a.name, "action": a.action["kind"], "model": a.model or ALL_MODELS,
-         "since": a.since.isoformat() if a.since else None}
-        for a in sorted(active, key=lambda a: (a.name, a.rule_id))
-    ]  # fmt: skip
-    return {
-        "format": FORMAT, "agent": agent_id, "models": models, "latency_buckets_ms": sorted(buckets_ms),
-        "export_interval_s": export_interval_s, "poll_interval_s": poll_interval_s, "causes": causes,
-    }  # fmt: skip
+        match stepped_action(item.action, item.step):
+            case TuneBatchingAction(max_queue_delay_us=delay, preferred_batch_sizes=sizes):
+                if delay is not None:
+                    entry["max_queue_delay_us"] = min(delay, entry.get("max_queue_delay_us", delay))
+                if sizes and "preferred_batch_sizes" not in entry:
+                    entry["preferred_batch_sizes"] = list(sizes)
+            case OverflowAction(fraction=fraction, priority_at_or_below=level):
+                current: Overflow = entry.get("overflow", Overflow(fraction=0.0, at_or_below=None))
+                if fraction is not None:
+                    current = Overflow(fraction=max(current.fraction, fraction), at_or_below=current.at_or_below)
+                if level is not None:
+                    lowest = level if current.at_or_below is None else min(current.at_or_below, level)
+                    current = Overflow(fraction=current.fraction, at_or_below=lowest)
+                entry["overflow"] = current
+            case SwitchVariantAction(version=version):
+                entry.setdefault("variant", version)
+            case ShedAction(priority_at_or_below=level, retry_after_s=retry):
+                shed: Shed | None = entry.get("shed")
+                if shed is None or level < shed.at_or_below:
+                    entry["shed"] = Shed(at_or_below=level, retry_after_s=max(retry, shed.retry_after_s if shed else 0))
+                else:
+                    entry["shed"] = Shed(at_or_below=shed.at_or_below, retry_after_s=max(shed.retry_after_s, retry))
+            case FallbackAction(priority_at_or_below=level, mode=mode, default_outputs=outputs):
+                fallback: Fallback | None = entry.get("fallback")
+                if fallback is None or level < fallback.at_or_below:
+                    given = {} if outputs is None else {"default_outputs": outputs}
+                    entry["fallback"] = Fallback(at_or_below=level, mode=mode, **given)
+            case unknown:
+                unknown_kind(unknown)
+    causes = [Cause(rule=a.rule_id, name=a.name, action=a.action.kind, model=a.model or ALL_MODELS, since=a.since)
+              for a in ordered]  # fmt: skip
+    return PolicyDocument(
+        agent=agent_id, version=0, models={name: ModelPolicy(**fields) for name, fields in models.items()},
+        latency_buckets_ms=sorted(buckets_ms), export_interval_s=export_interval_s, poll_interval_s=poll_interval_s,
+        causes=causes,
+    )  # fmt: skip
 
 
-def document(content: dict[str, Any], version: int) -> tuple[dict[str, Any], str]:
-    """The full document (validated with the agent's own schema, so no agent would refuse it) and its ETag."""
-    full = PolicyDocument.model_validate({**content, "version": version}).model_dump(mode="json")
+def document(content: PolicyDocument, version: int) -> tuple[dict[str, Any], str]:
+    """The full document at `version`, as stored and served (JSON, every field), and its ETag."""
+    full = content.model_copy(update={"version": version}).model_dump(mode="json")
     canonical = json.dumps(full, sort_keys=True, separators=(",", ":")).encode()
     return full, f'"{hashlib.sha256(canonical).hexdigest()[:32]}"'
 
 
-def same_content(stored: dict[str, Any], content: dict[str, Any]) -> bool:
+def same_content(stored: dict[str, Any], content: PolicyDocument) -> bool:
     """Whether a stored document says what `content` says (its version aside)."""
     try:
-        normal = PolicyDocument.model_validate({**content, "version": stored.get("version", 0)})
-        return PolicyDocument.model_validate(stored) == normal
+        return PolicyDocument.model_validate(stored) == content.model_copy(update={"version": stored.get("version", 0)})
     except ValueError:
         return False
 

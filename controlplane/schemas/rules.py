@@ -1,17 +1,33 @@
-"""Degradation rule schemas: selector + condition + action + hysteresis, each kind with its own parameters."""
+"""Degradation rule schemas: selector + condition + action + hysteresis, each kind with its own parameters.
+
+Conditions, actions and hysteresis are frozen: the API validates them from request bodies, and the control loop
+and the SLO windows parse a stored rule once (`RuleSpec.of`) and then pass these values around, matching on
+their class instead of a `kind` string.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import logging
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal, NoReturn
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from controlplane.schemas.common import Duration, Name, PositiveDuration, Selector, Stored, Strict, partial
+
+log = logging.getLogger("spillway.controlplane.rules")
+
+
+class Frozen(Strict):
+    """A Strict schema whose values cannot change once validated (and so can be shared and compared)."""
+
+    model_config = ConfigDict(frozen=True)
+
 
 # ---- conditions -------------------------------------------------------------------------------
 
 
-class BurnRateCondition(Strict):
+class BurnRateCondition(Frozen):
     """An SLO burns its error budget faster than `threshold` over both windows."""
 
     kind: Literal["burn_rate"]
@@ -28,7 +44,7 @@ class BurnRateCondition(Strict):
         return self
 
 
-class LatencyCondition(Strict):
+class LatencyCondition(Frozen):
     """A latency quantile over a window exceeds a threshold."""
 
     kind: Literal["latency"]
@@ -38,7 +54,7 @@ class LatencyCondition(Strict):
     min_requests: int = Field(default=20, ge=0, description="no firing on fewer requests than this")
 
 
-class ErrorRatioCondition(Strict):
+class ErrorRatioCondition(Frozen):
     """The share of requests with a bad outcome over a window exceeds a threshold."""
 
     kind: Literal["error_ratio"]
@@ -52,7 +68,7 @@ GaugeMetric = Literal[
 ]
 
 
-class GaugeCondition(Strict):
+class GaugeCondition(Frozen):
     """A device gauge crosses a threshold."""
 
     kind: Literal["gauge"]
@@ -61,7 +77,7 @@ class GaugeCondition(Strict):
     threshold: float = Field(ge=-1e12, le=1e12)
 
 
-class StaleCondition(Strict):
+class StaleCondition(Frozen):
     """The agent has not reported for `after` (default: the control plane's stale timeout)."""
 
     kind: Literal["stale"]
@@ -76,7 +92,7 @@ Condition = Annotated[
 # ---- actions, mildest first -------------------------------------------------------------------
 
 
-class TuneBatchingAction(Strict):
+class TuneBatchingAction(Frozen):
     kind: Literal["tune_batching"]
     max_queue_delay_us: int | None = Field(default=None, ge=0, le=10_000_000)
     preferred_batch_sizes: list[Annotated[int, Field(gt=0, le=65536)]] | None = Field(default=None, max_length=16)
@@ -88,7 +104,7 @@ class TuneBatchingAction(Strict):
         return self
 
 
-class OverflowAction(Strict):
+class OverflowAction(Frozen):
     """Send to the cloud (the control plane's gateway) what the agent should not serve itself. `deadline`: only
     requests predicted to miss their deadline; `fraction`: that too, plus this share of the rest; `priority`: that
     too, plus every request at `priority_at_or_below` or a lower priority (a larger number)."""
@@ -111,18 +127,18 @@ class OverflowAction(Strict):
         return self
 
 
-class SwitchVariantAction(Strict):
+class SwitchVariantAction(Frozen):
     kind: Literal["switch_variant"]
     version: int = Field(ge=1, description="the model version to serve instead, e.g. the lite one")
 
 
-class ShedAction(Strict):
+class ShedAction(Frozen):
     kind: Literal["shed"]
     priority_at_or_below: int = Field(ge=1, le=64, description="refuse this priority level and every lower one")
     retry_after_s: int = Field(default=5, ge=1, le=3600)
 
 
-class FallbackAction(Strict):
+class FallbackAction(Frozen):
     kind: Literal["fallback"]
     priority_at_or_below: int = Field(ge=1, le=64)
     mode: Literal["cache", "default"] = Field(
@@ -147,7 +163,13 @@ ACTION_LADDER = ("tune_batching", "overflow", "switch_variant", "shed", "fallbac
 """Actions from mildest to harshest: the order in which several rules on one agent compose."""
 
 
-class Hysteresis(Strict):
+def unknown_kind(value: NoReturn) -> NoReturn:
+    """The last case of a `match` over conditions or actions: mypy names a kind no case handles (Python 3.10's
+    `typing.assert_never`)."""
+    raise AssertionError(f"unhandled kind: {value!r}")
+
+
+class Hysteresis(Frozen):
     for_: Duration = Field(default=0, alias="for", description="the condition holds this long before firing")
     recover_after: Duration = Field(default=0, description="clear this long before reverting")
     recovery_steps: int = Field(
@@ -179,3 +201,44 @@ RulePatch = partial(RuleCreate)
 
 class RuleRead(RuleCreate, Stored):
     pass
+
+
+class RuleSelector(Selector, Frozen):
+    """A stored rule's selector, frozen like the rest of a `RuleSpec`."""
+
+
+class RuleSpec(BaseModel):
+    """A stored rule as the control loop and the SLO windows evaluate it: its JSON columns (selector, condition,
+    action, hysteresis) parsed once, where the row is read, into frozen typed values."""
+
+    model_config = ConfigDict(frozen=True, from_attributes=True)
+
+    id: str
+    version: int
+    name: str
+    selector: RuleSelector = Field(default_factory=RuleSelector)
+    condition: Condition
+    action: Action
+    hysteresis: Hysteresis = Field(default_factory=Hysteresis)
+    dry_run: bool = False
+
+    @field_validator("selector", "hysteresis", mode="before")
+    @classmethod
+    def _absent_is_default(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @classmethod
+    def of(cls, row: Any) -> RuleSpec:
+        """From a `rules` row (anything with these attributes); raises ValidationError for one that does not parse."""
+        return cls.model_validate(row, from_attributes=True)
+
+
+def parse_rules(rows: Iterable[Any]) -> list[RuleSpec]:
+    """The rules among `rows` that parse; one that does not (stored by a newer version, say) is left out, logged."""
+    specs = []
+    for row in rows:
+        try:
+            specs.append(RuleSpec.of(row))
+        except ValidationError as exc:
+            log.warning("rule %s (%s) left out: its stored definition does not parse: %s", row.name, row.id, exc)
+    return specs

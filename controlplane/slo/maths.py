@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 from spillway.contract.names import GOOD_OUTCOMES  # available: the caller got an answer it can use
 
-__all__ = ["GOOD_OUTCOMES"]
-
 
 @dataclass(frozen=True)
 class Counts:
@@ -66,3 +64,15 @@ def good_under_threshold(buckets: Sequence[float], bounds: Sequence[float], thre
 
 def firing(long_rate: float | None, short_rate: float | None, threshold: float) -> bool:
     return long_rate is not None and short_rate is not None and long_rate >= threshold and short_rate >= threshold
+
+
+__all__ = [
+    "GOOD_OUTCOMES",
+    "Counts",
+    "budget_remaining",
+    "burn_rate",
+    "error_budget",
+    "firing",
+    "good_under_threshold",
+    "sli",
+]

@@ -18,17 +18,17 @@ from __future__ import annotations
 import math
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
-import orjson
-from sqlalchemy import String, select, type_coerce
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controlplane.db.models import Agent, MetricRollup, Rule, Slo, utcnow
+from controlplane.db.models import Agent, Rule, Slo, utcnow
+from controlplane.query import Rollup, RollupReader
+from controlplane.schemas.rules import ErrorRatioCondition, LatencyCondition, RuleSpec, parse_rules
 from controlplane.slo.maths import (
     GOOD_OUTCOMES,
     Counts,
@@ -39,11 +39,11 @@ from controlplane.slo.maths import (
     good_under_threshold,
     sli,
 )
-from spillway.contract.names import LOCAL, REQUEST_DURATION, REQUESTS
+from spillway.contract.names import ATTR_MODEL, ATTR_OUTCOME, LOCAL, REQUEST_DURATION, REQUESTS
 
 FINE_MINUTES = 6 * 60  # minute resolution this far back
 REREAD_MINUTES = 1  # minutes before the current one re-read on every refresh (exports may still add to them)
-_METRIC = {"latency": REQUEST_DURATION, "availability": REQUESTS}
+_ROLLUPS = {"latency": (REQUEST_DURATION, "histogram"), "availability": (REQUESTS, "sum")}  # metric, rollup kind
 
 
 def epoch_minute(moment: datetime) -> int:
@@ -73,18 +73,21 @@ class SloSpec:
     source: str = "slo"  # slo | rule (a rule's latency or error-ratio condition, counted the same way)
 
     @classmethod
-    def of_rule(cls, row: Rule) -> SloSpec | None:
+    def of_rule(cls, rule: RuleSpec) -> SloSpec | None:
         """A latency condition (share of requests within the threshold) or an error-ratio condition (share
         of good outcomes) counts exactly like a latency or an availability SLO over the condition's window."""
-        condition, selector = row.condition or {}, row.selector or {}
-        if condition.get("kind") not in ("latency", "error_ratio"):
-            return None
-        latency = condition["kind"] == "latency"
+        threshold_s: float | None
+        match rule.condition:
+            case LatencyCondition(threshold_ms=threshold_ms, window=window):
+                sli_kind, threshold_s = "latency", threshold_ms / 1000
+            case ErrorRatioCondition(window=window):
+                sli_kind, threshold_s = "availability", None
+            case _:
+                return None
         return cls(
-            id=f"rule:{row.id}", version=row.version, name=row.name, sli_kind="latency" if latency else "availability",
-            threshold_s=float(condition["threshold_ms"]) / 1000 if latency else None, model=selector.get("model"),
-            labels=dict(selector.get("labels") or {}), objective=0.0, window=int(condition.get("window", 300)),
-            alerts=(), source="rule",
+            id=f"rule:{rule.id}", version=rule.version, name=rule.name, sli_kind=sli_kind, threshold_s=threshold_s,
+            model=rule.selector.model, labels=dict(rule.selector.labels), objective=0.0, window=window, alerts=(),
+            source="rule",
         )  # fmt: skip
 
     @classmethod
@@ -98,8 +101,9 @@ class SloSpec:
         )  # fmt: skip
 
     @property
-    def metric(self) -> str:
-        return _METRIC[self.sli_kind]
+    def rollups(self) -> tuple[str, str]:
+        """The metric whose rollups count this SLO's events, and their kind."""
+        return _ROLLUPS[self.sli_kind]
 
     @property
     def longest(self) -> int:
@@ -108,18 +112,19 @@ class SloSpec:
     def selects(self, labels: dict[str, Any]) -> bool:
         return all(labels.get(k) == v for k, v in self.labels.items())
 
-    def counts(self, attributes: dict[str, Any], count: float, total: float, buckets: Sequence[float],
-               bounds: Sequence[float]) -> tuple[float, float] | None:  # fmt: skip
-        """(good, total) events of one rollup row for this SLO, or None when the row is not its business."""
-        if self.model is not None and attributes.get("model") != self.model:
+    def counts(self, rollup: Rollup) -> tuple[float, float] | None:
+        """(good, total) events of one rollup for this SLO, or None when the rollup is not its business."""
+        if self.model is not None and rollup.attributes.get(ATTR_MODEL) != self.model:
             return None
-        outcome = attributes.get("outcome")
+        outcome = rollup.attributes.get(ATTR_OUTCOME)
         if self.sli_kind == "latency":
             if outcome != LOCAL:
                 return None  # latency judges answered requests; availability judges the rest
             assert self.threshold_s is not None
-            return good_under_threshold(buckets, bounds, self.threshold_s), float(count)
-        return (total if outcome in GOOD_OUTCOMES else 0.0), total
+            histogram = rollup.histogram  # without buckets, no observation is known to be fast enough
+            good = good_under_threshold(histogram.buckets, histogram.bounds, self.threshold_s) if histogram else 0.0
+            return good, rollup.count
+        return (rollup.total if outcome in GOOD_OUTCOMES else 0.0), rollup.total
 
 
 @dataclass
@@ -240,7 +245,7 @@ class SloWindows:
     def __init__(self) -> None:
         self._slos: dict[str, SloWindow] = {}
         self._latest: int | None = None  # newest minute the windows hold
-        self._attributes: dict[str, dict[str, Any]] = {}  # series key -> its attributes
+        self._reader = RollupReader()  # remembers each series' attributes
         self._lock = threading.Lock()
         self.refreshed_at: datetime | None = None
 
@@ -279,7 +284,7 @@ class SloWindows:
 
     def _refresh(self, session: Session, now_minute: int) -> None:
         specs = {row.id: SloSpec.of(row) for row in session.scalars(select(Slo))}
-        for rule in session.scalars(select(Rule).where(Rule.enabled.is_(True))):
+        for rule in parse_rules(session.scalars(select(Rule).where(Rule.enabled.is_(True)))):
             spec = SloSpec.of_rule(rule)
             if spec is not None:
                 specs[spec.id] = spec
@@ -326,75 +331,36 @@ class SloWindows:
         """Add minutes `since`..`latest` of `agents` in `windows` from the database (`replace`: those minutes
         held something already, which the database's current rows supersede).
 
-        This is the evaluator's hot path (every cycle reads the last minutes of every agent), so rows are read
-        raw: no JSON or timestamp processing except for histogram buckets, and each series' attributes are
-        looked up once and judged once per SLO."""
+        This is the evaluator's hot path (every cycle reads the last minutes of every agent): the reader decodes
+        each series' attributes once, and each is judged once per SLO."""
         if replace:
             for window in windows:
                 window.forget(since, latest)
         start = datetime.fromtimestamp(since * 60, tz=timezone.utc)
         sums: dict[tuple[int, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
-        minutes: dict[Any, int] = {}
-        for metric in sorted({w.spec.metric for w in windows}):
-            mine = [(i, w) for i, w in enumerate(windows) if w.spec.metric == metric]
-            histogram = metric == _METRIC["latency"]
-            columns: list[Any] = [MetricRollup.agent_id, MetricRollup.series, type_coerce(MetricRollup.minute, String)]
-            columns += [MetricRollup.count, type_coerce(MetricRollup.buckets, String),
-                        type_coerce(MetricRollup.bounds, String)] if histogram else [MetricRollup.total]  # fmt: skip
-            for chunk in _chunks(agents, 500):
-                where = (MetricRollup.metric == metric, MetricRollup.minute >= start, MetricRollup.agent_id.in_(chunk))
-                rows = session.execute(select(*columns).where(*where)).all()
-                self._learn_series(session, {r[1] for r in rows}, where)
-                for row in rows:
-                    m = minutes.get(row[2])
-                    if m is None:
-                        m = minutes[row[2]] = _raw_minute(row[2])
-                    attributes = self._attributes[row[1]]
-                    buckets = bounds = None
-                    for i, window in mine:
-                        index = window.row.get(row[0])
-                        if index is None:
-                            continue
-                        if histogram:
-                            if buckets is None:
-                                buckets, bounds = _raw_json(row[4]), _raw_json(row[5])
-                            counts = window.spec.counts(attributes, row[3], 0.0, buckets, bounds or ())
-                        else:
-                            counts = window.spec.counts(attributes, 0, float(row[3]), (), ())
-                        if counts is not None:
-                            cell = sums[(i, index, m)]
-                            cell[0] += counts[0]
-                            cell[1] += counts[1]
+        minutes: dict[datetime, int] = {}
+        for metric, kind in sorted({w.spec.rollups for w in windows}):
+            mine = [(i, w) for i, w in enumerate(windows) if w.spec.rollups == (metric, kind)]
+            for rollup in self._reader.read(session, since=start, agents=agents, metrics=(metric,), kinds=(kind,)):
+                m = minutes.get(rollup.minute)
+                if m is None:
+                    m = minutes[rollup.minute] = epoch_minute(rollup.minute)
+                for i, window in mine:
+                    index = window.row.get(rollup.agent)
+                    if index is None:
+                        continue
+                    counts = window.spec.counts(rollup)
+                    if counts is not None:
+                        cell = sums[(i, index, m)]
+                        cell[0] += counts[0]
+                        cell[1] += counts[1]
         for (i, index, m), (good, total) in sums.items():
             windows[i].add(index, m, latest, good, total)
-
-    def _learn_series(self, session: Session, series: set[str], where: tuple[Any, ...]) -> None:
-        """A series' attributes never change (its key hashes them): read each once, not with every rollup."""
-        unknown = [s for s in series if s not in self._attributes]
-        for chunk in _chunks(unknown, 500):
-            query = select(MetricRollup.series, MetricRollup.attributes).where(*where, MetricRollup.series.in_(chunk))
-            for key, attributes in session.execute(query):
-                self._attributes[key] = attributes
 
     def _evaluate(self, window: SloWindow, latest: int, now: datetime) -> Evaluation:
         alerts = [(pair, window.sums(pair["long"], latest), window.sums(pair["short"], latest))
                   for pair in window.spec.alerts]  # fmt: skip
         return Evaluation(window.spec, window.agents, now, window.sums(window.spec.window, latest), alerts)
-
-
-def _raw_minute(value: Any) -> int:
-    """A minute column read raw: a datetime (PostgreSQL) or SQLite's ISO text."""
-    return epoch_minute(value if isinstance(value, datetime) else datetime.fromisoformat(value))
-
-
-def _raw_json(value: Any) -> Any:
-    """A JSON column read raw: text (SQLite) or already parsed (PostgreSQL's JSONB)."""
-    return orjson.loads(value) if isinstance(value, str | bytes) else value
-
-
-def _chunks(items: list[str], size: int) -> Iterable[list[str]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
 
 
 __all__ = ["Evaluation", "SloSpec", "SloWindow", "SloWindows", "epoch_minute"]

@@ -4,12 +4,18 @@ how active rules compose into one policy document."""
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from typing import Any
 
 import pytest
+from pydantic import TypeAdapter
 
 from controlplane.rules.engine import Hysteresis, State, advance
 from controlplane.rules.policy import Active, compose, document, same_content, stepped_action
+from controlplane.schemas.rules import Action, FallbackAction
+from controlplane.schemas.rules import Hysteresis as RuleHysteresis
 from spillway.contract.policy import PolicyDocument
+
+ACTION: TypeAdapter[Action] = TypeAdapter(Action)
 
 
 def run(h: Hysteresis, timeline: list[tuple[float, bool]], state: State | None = None) -> list[tuple[float, str, str]]:
@@ -74,16 +80,18 @@ def test_a_flapping_rule_stays_fired_and_says_so_once() -> None:
 
 
 def test_hysteresis_reads_the_stored_rule() -> None:
-    h = Hysteresis.of({"for": 90, "recover_after": 600, "recovery_steps": 2, "max_flaps_per_hour": 5})
+    stored = {"for": 90, "recover_after": 600, "recovery_steps": 2, "max_flaps_per_hour": 5}
+    h = Hysteresis.of(RuleHysteresis.model_validate(stored))
     assert h == Hysteresis(90, 600, 2, 5)
-    assert Hysteresis.of({}) == Hysteresis()
+    assert Hysteresis.of(RuleHysteresis.model_validate({})) == Hysteresis()
 
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
 
 
-def _active(name: str, action: dict, model: str | None = "mlp", step: int = 0) -> Active:
-    return Active(f"id-{name}", name, action, model, step, NOW)
+def _active(name: str, action: dict[str, Any] | Action, model: str | None = "mlp", step: int = 0) -> Active:
+    typed = ACTION.validate_python(action) if isinstance(action, dict) else action
+    return Active(f"id-{name}", name, typed, model, step, NOW)
 
 
 def test_rules_compose_along_the_ladder_and_conflicts_resolve_deterministically() -> None:
@@ -97,17 +105,17 @@ def test_rules_compose_along_the_ladder_and_conflicts_resolve_deterministically(
         _active("everyone", {"kind": "fallback", "priority_at_or_below": 3, "mode": "cache"}, model=None),
     ]
     content = compose("agent1", active, buckets_ms=[10, 50], export_interval_s=5, poll_interval_s=2)
-    assert content["models"] == {
+    assert content.model_dump(exclude_unset=True)["models"] == {
         "mlp": {"shed": {"at_or_below": 3, "retry_after_s": 30}, "variant": 3,
                 "max_queue_delay_us": 200, "preferred_batch_sizes": [8]},
         "*": {"fallback": {"at_or_below": 3, "mode": "cache"}},
     }  # fmt: skip
-    assert [c["name"] for c in content["causes"]] == ["a-lite", "a-shed", "b-shed", "c-lite", "everyone", "tune",
+    assert [c.name for c in content.causes] == ["a-lite", "a-shed", "b-shed", "c-lite", "everyone", "tune",
                                                       "tune2"]  # fmt: skip
     full, etag = document(content, 7)
     parsed = PolicyDocument.model_validate(full)  # what the agent will accept
     assert parsed.version == 7 and parsed.for_model("mlp").fallback is not None
-    assert same_content(full, content) and not same_content(full, {**content, "models": {}})
+    assert same_content(full, content) and not same_content(full, content.model_copy(update={"models": {}}))
     again, etag_again = document(compose("agent1", list(reversed(active)), buckets_ms=[50, 10], export_interval_s=5,
                                          poll_interval_s=2), 7)  # fmt: skip
     assert (again, etag_again) == (full, etag)  # order of rules and buckets does not matter
@@ -115,9 +123,9 @@ def test_rules_compose_along_the_ladder_and_conflicts_resolve_deterministically(
 
 
 def test_an_invalid_composition_is_never_published() -> None:
+    unchecked = FallbackAction.model_construct(kind="fallback", priority_at_or_below=1, mode="default")
     with pytest.raises(ValueError, match="default_outputs"):
-        document(compose("a", [_active("x", {"kind": "fallback", "priority_at_or_below": 1, "mode": "default"})],
-                         buckets_ms=[10], export_interval_s=5, poll_interval_s=5), 1)  # fmt: skip
+        document(compose("a", [_active("x", unchecked)], buckets_ms=[10], export_interval_s=5, poll_interval_s=5), 1)
 
 
 def test_overflow_rules_compose_as_a_union_and_step_down_by_halving_or_by_level() -> None:
@@ -129,7 +137,7 @@ def test_overflow_rules_compose_as_a_union_and_step_down_by_halving_or_by_level(
         _active("lower", {"kind": "overflow", "mode": "priority", "priority_at_or_below": 3}, model=None),
     ]
     content = compose("agent1", active, buckets_ms=[10], export_interval_s=5, poll_interval_s=2)
-    assert content["models"] == {
+    assert content.model_dump(exclude_unset=True)["models"] == {
         "mlp": {"overflow": {"fraction": 0.2, "at_or_below": 3}},
         "*": {"overflow": {"fraction": 0.0, "at_or_below": 3}},
     }
@@ -137,9 +145,13 @@ def test_overflow_rules_compose_as_a_union_and_step_down_by_halving_or_by_level(
     assert parsed.for_model("mlp").overflow == parsed.models["mlp"].overflow
     only_deadline = compose("a", [_active("d", {"kind": "overflow"})], buckets_ms=[10], export_interval_s=5,
                             poll_interval_s=2)  # fmt: skip
-    assert only_deadline["models"] == {"mlp": {"overflow": {"fraction": 0.0, "at_or_below": None}}}
-    assert stepped_action({"kind": "overflow", "mode": "fraction", "fraction": 0.5}, 3)["fraction"] == 0.0625
-    assert stepped_action({"kind": "shed", "priority_at_or_below": 63}, 5)["priority_at_or_below"] == 64
+    assert only_deadline.model_dump(exclude_unset=True)["models"] == {
+        "mlp": {"overflow": {"fraction": 0.0, "at_or_below": None}}
+    }
+    halved = stepped_action(ACTION.validate_python({"kind": "overflow", "mode": "fraction", "fraction": 0.5}), 3)
+    assert halved.model_dump()["fraction"] == 0.0625
+    shed = stepped_action(ACTION.validate_python({"kind": "shed", "priority_at_or_below": 63}), 5)
+    assert shed.model_dump()["priority_at_or_below"] == 64
 
 
 @pytest.mark.parametrize(
