@@ -35,7 +35,7 @@ def timeout_header_us(raw: bytes | None) -> int | None:
 def timeout_parameter_us(json_header: bytes) -> int | None:
     """The `timeout` request parameter, from the request's JSON (the whole body, or a binary request's header)."""
     try:
-        return v2.scheduling_parameters(v2.request_parameters(json_header))[1]
+        return v2.timeout_parameter_us(v2.request_parameters(json_header))
     except v2.TensorError as exc:
         raise _invalid(exc) from None
 

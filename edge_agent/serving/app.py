@@ -225,10 +225,12 @@ class InferenceApp:
             await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
             return
         try:
-            await self.pipeline.handle(path, name, version, headers, receive, send)
+            requested = self.registry.get(name, version)
         except UnknownModelError as exc:  # before anything was read: counted on no model
             self.unrouted["unknown_model"] += 1
             await reject(send, 404, str(exc), "unknown_model")
+            return
+        await self.pipeline.handle(path, requested, name, version, headers, receive, send)
 
 
 def _model_path(parts: list[str]) -> tuple[str, str | None, list[str]]:

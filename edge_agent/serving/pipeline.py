@@ -137,11 +137,10 @@ class InferencePipeline:
         self.jobs = jobs
         self._draw = random.Random().random  # noqa: S311 (overflow fractions, not secrets)
 
-    async def handle(self, path: str, name: str, version: str | None, headers: dict[bytes, bytes],
-                     receive: Receive, send: Send) -> None:  # fmt: skip
-        """Answer one inference request; raises UnknownModelError (404, counted by the caller) for a model that is
-        not served."""
-        requested = self.registry.get(name, version)
+    async def handle(self, path: str, requested: LoadedModel, name: str, version: str | None,
+                     headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:  # fmt: skip
+        """Answer one inference request for `requested`, the version `name` and `version` name now (the route is
+        taken again once the body has arrived: a variant may have switched meanwhile)."""
         request = await self._decode(path, name, version, requested, headers, receive, send)
         if request is None:
             return

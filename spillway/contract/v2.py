@@ -50,6 +50,7 @@ __all__ = [
     "read_body",
     "request_parameters",
     "scheduling_parameters",
+    "timeout_parameter_us",
     "validate_inputs",
     "with_parameters",
 ]
@@ -765,16 +766,21 @@ def parse_timeout_budget_us(raw: bytes | None) -> int | None:
     return max(int(text), 1)
 
 
-def scheduling_parameters(parameters: dict[str, Any]) -> tuple[int, int | None]:
-    """Triton's request parameters: `priority` (0: the model's default level) and `timeout` in microseconds (0 or
-    absent: none)."""
-    priority = parameters.get("priority", 0)
+def timeout_parameter_us(parameters: dict[str, Any]) -> int | None:
+    """Triton's `timeout` request parameter, in microseconds (0 or absent: none)."""
     timeout = parameters.get("timeout")
-    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
-        raise TensorError(f"parameter 'priority' must be a non-negative integer, got {priority!r}")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0):
         raise TensorError(f"parameter 'timeout' must be a non-negative integer of microseconds, got {timeout!r}")
-    return priority, (timeout or None)
+    return timeout or None
+
+
+def scheduling_parameters(parameters: dict[str, Any]) -> tuple[int, int | None]:
+    """Triton's request parameters: `priority` (0: the model's default level) and `timeout` (`timeout_parameter_us`).
+    A proxy reads only the timeout: the priority is the serving side's to judge."""
+    priority = parameters.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+        raise TensorError(f"parameter 'priority' must be a non-negative integer, got {priority!r}")
+    return priority, timeout_parameter_us(parameters)
 
 
 def request_parameters(json_head: bytes) -> dict[str, Any]:
