@@ -1,0 +1,229 @@
+"""`tiny-lm`: a small decoder-only language model built from code (onnx.helper, seeded weights; no downloads, no
+torch), with the I/O of Optimum's and onnxruntime-genai's exports, so that the agent's generative path runs on the
+same kind of graph a real exported model has:
+
+    inputs   input_ids [batch, seq] int64, attention_mask [batch, past + seq] int64, position_ids [batch, seq]
+             int64, past_key_values.{i}.key|value [batch, kv_heads, past, head_size] float32
+    outputs  logits [batch, seq, vocab] float32, present.{i}.key|value [batch, kv_heads, past + seq, head_size]
+
+A pre-norm transformer: token and position embeddings, per layer LayerNorm -> attention (grouped-query when
+`kv_heads` < `heads`) with the past concatenated on the sequence axis -> residual -> LayerNorm -> MLP (GELU, tanh
+form) -> residual, a final LayerNorm and the LM head. A key takes part when its position in the whole sequence is
+not after the query's (causal, by index in past + seq) and its `attention_mask` is 1, so a left-padded batch gives
+each row what it gives alone. The weights are random: the text it writes is noise, but deterministic, and KV-cached
+decoding must give what full recomputation gives.
+
+`genai_config.json` describes it the way onnxruntime-genai's model builder does (`model.decoder.inputs`,
+`outputs`, `head_size`, `num_key_value_heads`, ...), so one loader reads both.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from spillway.demo.models import IR_VERSION, OPSET, SEED, _write_atomically
+
+if TYPE_CHECKING:
+    import onnx
+
+TINY_LM = "tiny-lm"
+PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"
+PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """A decoder's sizes. Bytes of KV cache per token: 2 x layers x kv_heads x head_size x 4 (float32)."""
+
+    vocab: int = 320  # 256 bytes + a few special tokens, as the byte-level tokenizer needs
+    width: int = 96
+    layers: int = 3
+    heads: int = 4
+    kv_heads: int = 2
+    context: int = 512
+    mlp: int = 4  # the MLP's width, in multiples of `width`
+
+    def __post_init__(self) -> None:
+        if self.width % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"width {self.width} must split into {self.heads} heads, in groups of {self.kv_heads}")
+
+    @property
+    def head_size(self) -> int:
+        return self.width // self.heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_size * 4
+
+
+TINY = DecoderShape()  # version 1
+TINY_LITE = DecoderShape(layers=1)  # version 2, "lite": one layer, for degradation
+BENCH = DecoderShape(width=512, layers=4, heads=8, kv_heads=4, context=1024)  # compute dominates the step
+
+
+class _Graph:
+    """Nodes and initialisers, with fresh names."""
+
+    def __init__(self) -> None:
+        from onnx import helper, numpy_helper
+
+        self.helper, self.numpy_helper = helper, numpy_helper
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._count = 0
+
+    def name(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def const(self, value: Any, hint: str = "c", dtype: Any = np.float32) -> str:
+        name = self.name(hint)
+        self.initializers.append(self.numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+    def op(self, kind: str, *inputs: str, hint: str | None = None, **attributes: Any) -> str:
+        out = self.name(hint or kind.lower())
+        self.nodes.append(self.helper.make_node(kind, list(inputs), [out], **attributes))
+        return out
+
+
+def build_tiny_lm(shape: DecoderShape = TINY, *, seed: int = SEED) -> onnx.ModelProto:
+    """The decoder as an ONNX graph (opset 17) with seeded random weights."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(seed + shape.layers * 1000 + shape.width)
+    g = _Graph()
+    width, head, heads, kv_heads = shape.width, shape.head_size, shape.heads, shape.kv_heads
+
+    def weight(rows: int, cols: int, hint: str) -> str:
+        return g.const(rng.standard_normal((rows, cols)) / np.sqrt(rows), hint)
+
+    i64 = np.int64
+    zero, one = g.const([0], "zero", i64), g.const([1], "one", i64)
+    two = g.const([2], "two", i64)
+    tokens = g.op("Gather", g.const(rng.standard_normal((shape.vocab, width)) * 0.5, "wte"), "input_ids")
+    positions = g.op("Gather", g.const(rng.standard_normal((shape.context, width)) * 0.1, "wpe"), "position_ids")
+    x = g.op("Add", tokens, positions, hint="embed")
+
+    # The mask, shared by every layer: key j is seen from query i when j <= past + i and attention_mask[b, j] = 1.
+    ids_shape = g.op("Shape", "input_ids")
+    seq = g.op("Gather", ids_shape, one, axis=0)  # [1]
+    total = g.op("Gather", g.op("Shape", "attention_mask"), one, axis=0)
+    past = g.op("Sub", total, seq)
+    scalar = g.const([], "scalar_shape", i64)
+    query_index = g.op("Range", g.op("Reshape", past, scalar), g.op("Reshape", total, scalar),
+                       g.const(1, "step", i64))  # fmt: skip
+    key_index = g.op("Range", g.const(0, "start", i64), g.op("Reshape", total, scalar), g.const(1, "step", i64))
+    causal = g.op("LessOrEqual", g.op("Unsqueeze", key_index, zero), g.op("Unsqueeze", query_index, one))  # [s, t]
+    padding = g.op("Cast", g.op("Unsqueeze", "attention_mask", g.const([1, 2], "axes", i64)), to=TensorProto.BOOL)
+    allowed = g.op("And", causal, padding, hint="allowed")  # [b, 1, s, t]
+    blocked = g.const(-1e9, "blocked")
+    scale = g.const(1.0 / np.sqrt(head), "scale")
+
+    def layer_norm(value: str, hint: str) -> str:
+        return g.op("LayerNormalization", value, g.const(np.ones(width), f"{hint}_g"),
+                    g.const(np.zeros(width), f"{hint}_b"), axis=-1, epsilon=1e-5)  # fmt: skip
+
+    def split_heads(value: str, count: int) -> str:  # [b, s, count * head] -> [b, count, s, head]
+        shaped = g.op("Reshape", value, g.const([0, 0, count, head], "heads_shape", i64))
+        return g.op("Transpose", shaped, perm=[0, 2, 1, 3])
+
+    outputs: list[tuple[str, str]] = []
+    for i in range(shape.layers):
+        normed = layer_norm(x, f"ln{i}a")
+        q = split_heads(g.op("MatMul", normed, weight(width, heads * head, f"wq{i}")), heads)
+        k = split_heads(g.op("MatMul", normed, weight(width, kv_heads * head, f"wk{i}")), kv_heads)
+        v = split_heads(g.op("MatMul", normed, weight(width, kv_heads * head, f"wv{i}")), kv_heads)
+        present_k = g.op("Concat", PAST_KEY % i, k, axis=2, hint=f"present_k{i}")
+        present_v = g.op("Concat", PAST_VALUE % i, v, axis=2, hint=f"present_v{i}")
+        outputs.append((present_k, present_v))
+        # Grouped-query attention: each KV head serves heads / kv_heads query heads.
+        groups = heads // kv_heads
+        qg = g.op("Reshape", q, g.op("Concat", g.op("Slice", ids_shape, zero, one),
+                                     g.const([kv_heads, groups], "groups", i64), seq, g.const([head], "head", i64),
+                                     axis=0))  # fmt: skip  # [b, kv, groups, s, head]
+        kt = g.op("Unsqueeze", g.op("Transpose", present_k, perm=[0, 1, 3, 2]), two)  # [b, kv, 1, head, t]
+        scores = g.op("Mul", g.op("MatMul", qg, kt), scale)  # [b, kv, groups, s, t]
+        scores = g.op("Where", g.op("Unsqueeze", allowed, one), scores, blocked)
+        attended = g.op("MatMul", g.op("Softmax", scores, axis=-1), g.op("Unsqueeze", present_v, two))
+        merged = g.op("Reshape", g.op("Transpose", g.op("Reshape", attended, g.op(
+            "Concat", g.op("Slice", ids_shape, zero, one), g.const([heads], "nheads", i64), seq,
+            g.const([head], "head", i64), axis=0)), perm=[0, 2, 1, 3]),
+            g.const([0, 0, width], "merge_shape", i64))  # fmt: skip
+        x = g.op("Add", x, g.op("MatMul", merged, weight(width, width, f"wo{i}")), hint=f"attn_res{i}")
+        hidden = g.op("MatMul", layer_norm(x, f"ln{i}b"), weight(width, shape.mlp * width, f"w1{i}"))
+        # GELU, tanh form: 0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3)))
+        cubic = g.op("Mul", g.op("Mul", g.op("Mul", hidden, hidden), hidden), g.const(0.044715))
+        inner = g.op("Mul", g.op("Add", hidden, cubic), g.const(np.sqrt(2 / np.pi)))
+        gelu = g.op("Mul", g.op("Mul", hidden, g.const(0.5)), g.op("Add", g.op("Tanh", inner), g.const(1.0)))
+        x = g.op("Add", x, g.op("MatMul", gelu, weight(shape.mlp * width, width, f"w2{i}")), hint=f"mlp_res{i}")
+    logits = g.op("MatMul", layer_norm(x, "ln_f"), weight(width, shape.vocab, "lm_head"))
+
+    renamed = [helper.make_node("Identity", [logits], ["logits"])]
+    for i, (k, v) in enumerate(outputs):
+        renamed += [helper.make_node("Identity", [k], [PRESENT_KEY % i]),
+                    helper.make_node("Identity", [v], [PRESENT_VALUE % i])]  # fmt: skip
+    kv: list[str | int | None] = ["batch", kv_heads, "past_sequence_length", head]
+    present: list[str | int | None] = ["batch", kv_heads, "total_sequence_length", head]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence_length"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total_sequence_length"]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "sequence_length"]),
+    ]
+    outs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence_length", shape.vocab])]
+    for i in range(shape.layers):
+        inputs += [helper.make_tensor_value_info(PAST_KEY % i, TensorProto.FLOAT, kv),
+                   helper.make_tensor_value_info(PAST_VALUE % i, TensorProto.FLOAT, kv)]  # fmt: skip
+        outs += [helper.make_tensor_value_info(PRESENT_KEY % i, TensorProto.FLOAT, present),
+                 helper.make_tensor_value_info(PRESENT_VALUE % i, TensorProto.FLOAT, present)]  # fmt: skip
+    graph = helper.make_graph(g.nodes + renamed, TINY_LM, inputs, outs, g.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="spillway")
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model)
+    return model
+
+
+def genai_config(shape: DecoderShape, *, eos: int = 257, bos: int = 256, pad: int = 258) -> dict[str, Any]:
+    """onnxruntime-genai's `genai_config.json` for the decoder (its model builder's field names)."""
+    return {
+        "model": {
+            "type": "spillway-tiny-lm",
+            "bos_token_id": bos,
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+            "context_length": shape.context,
+            "vocab_size": shape.vocab,
+            "decoder": {
+                "filename": "model.onnx",
+                "head_size": shape.head_size,
+                "hidden_size": shape.width,
+                "num_attention_heads": shape.heads,
+                "num_key_value_heads": shape.kv_heads,
+                "num_hidden_layers": shape.layers,
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "position_ids": "position_ids",
+                    "past_key_names": PAST_KEY,
+                    "past_value_names": PAST_VALUE,
+                },
+                "outputs": {"logits": "logits", "present_key_names": PRESENT_KEY, "present_value_names": PRESENT_VALUE},
+            },
+        },
+        "search": {"max_length": shape.context, "do_sample": False, "num_beams": 1},
+        "spillway": {"shape": asdict(shape)},
+    }
+
+
+def build_tiny_lm_version(out: Path, version: int, shape: DecoderShape, *, seed: int = SEED) -> Path:
+    """Write `out/<version>/model.onnx` and its `genai_config.json`; returns the version's folder."""
+    folder = out / str(version)
+    _write_atomically(folder / "model.onnx", build_tiny_lm(shape, seed=seed).SerializeToString())
+    _write_atomically(folder / "genai_config.json", (json.dumps(genai_config(shape), indent=2) + "\n").encode())
+    return folder
