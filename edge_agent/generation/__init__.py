@@ -1,8 +1,13 @@
-"""Generative models on the agent (ARCHITECTURE.md, "Generative serving"). So far: KV-cache memory in blocks
-(`blocks`) and the decoder runner on a plain onnxruntime session with explicit past/present tensors (`runner`:
-chunked prefill, batched decode of sequences of different lengths). The iteration-level scheduler, sampling,
-tokenizer and chat templates and the OpenAI-compatible APIs are to come (issue 13). Importing this package does not
-load onnxruntime; building a `DecoderRunner` does."""
+"""Generative models on the agent (ARCHITECTURE.md, "Generative serving"). So far:
+
+- `blocks`: KV-cache memory in blocks;
+- `runner`: the decoder on a plain onnxruntime session with explicit past/present tensors (chunked prefill, one
+  batched decode over sequences of different lengths);
+- `scheduler`: the iteration-level scheduler core (decode first, prompt chunks in a token budget, `max_num_seqs`,
+  preemption by recompute, admission on the predicted first token).
+
+The engine thread that drives them, sampling, the tokenizer and chat templates, and the OpenAI-compatible APIs are
+to come (issue 13). Importing this package does not load onnxruntime; building a `DecoderRunner` does."""
 
 from edge_agent.generation.blocks import BlockManager, KvBudgetError, KvShape, blocks_for_budget
 from edge_agent.generation.runner import DecoderConfig, DecoderRunner, GenerationConfigError, SequenceCache

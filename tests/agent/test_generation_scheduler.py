@@ -1,0 +1,166 @@
+"""The iteration-level scheduler: decode first, prompt chunks within the token budget, `max_num_seqs`, preemption by
+recompute when blocks run out (and for a higher priority when the sequences are full), admission on the predicted
+first token; and, driving the real decoder runner on tiny-lm, greedy output that preemption does not change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_agent.generation import BlockManager, DecoderConfig, DecoderRunner
+from edge_agent.generation.scheduler import GenerationConfig, GenerationScheduler, Rates, Sequence, StepPlan
+from spillway.demo.tiny_lm import TINY, build_tiny_lm_version
+
+CONTEXT = 512
+
+
+def _scheduler(blocks: int = 64, block_size: int = 16, **config: int) -> GenerationScheduler:
+    return GenerationScheduler(GenerationConfig(**config), BlockManager(blocks, block_size), Rates())
+
+
+def _admit(s: GenerationScheduler, prompt: int, *, level: int = 2, at: float = 0.0, max_tokens: int = 16,
+           deadline: float | None = None) -> Sequence:  # fmt: skip
+    sequence = Sequence(prompt=prompt, max_tokens=max_tokens, level=level, arrival=at, deadline=deadline)
+    assert s.admit(sequence, at, context=CONTEXT) is None
+    return sequence
+
+
+def _run(s: GenerationScheduler, plan: StepPlan) -> None:
+    s.advance(plan)
+    used = sum(len(s.blocks.blocks_of(q)) for q in s.running)
+    assert used == s.blocks.used_blocks  # only running sequences hold blocks, and exactly theirs
+
+
+def test_running_sequences_decode_first_then_prompts_take_chunks_within_the_budget() -> None:
+    s = _scheduler(max_num_batched_tokens=40, long_prefill_threshold=32)
+    a, b = _admit(s, 10), _admit(s, 20)
+    first = s.step()
+    assert first.decode == () and [(q, n) for q, n in first.prefill] == [(a, 10), (b, 20)]
+    _run(s, first)
+    assert a.generated == b.generated == 1  # each prompt's last logits gave its first token
+    long = _admit(s, 300, at=1.0)
+    second = s.step()
+    assert second.decode == (a, b) and second.prefill == ((long, 32),)  # 2 decodes + one chunk at the threshold
+    _run(s, second)
+    third = s.step()
+    assert third.decode == (a, b) and third.prefill == ((long, 32),) and third.tokens <= 40
+    assert long.prefilled == 32
+
+
+def test_max_num_seqs_holds_and_a_higher_priority_preempts_the_lowest_when_full() -> None:
+    s = _scheduler(max_num_seqs=2)
+    low1, low2 = _admit(s, 8, level=3, at=0.0), _admit(s, 8, level=3, at=0.1)
+    _run(s, s.step())
+    waiting = _admit(s, 8, level=3, at=0.2)
+    plan = s.step()
+    assert plan.decode == (low1, low2) and plan.prefill == () and waiting.state == "waiting"
+    _run(s, plan)
+    urgent = _admit(s, 8, level=1, at=0.3)
+    plan = s.step()
+    assert plan.preempted == (low2,) and plan.decode == (low1,) and plan.prefill == ((urgent, 8),)
+    assert low2.state == "waiting" and low2.preemptions == 1 and not s.blocks.holds(low2)
+    _run(s, plan)
+    assert [q for q in s.running] == [low1, urgent]
+
+
+def test_out_of_blocks_the_lowest_latest_is_preempted_and_comes_back_first() -> None:
+    s = _scheduler(blocks=4, block_size=4, max_num_seqs=4)
+    high = _admit(s, 4, level=1, max_tokens=8)
+    low_early, low_late = _admit(s, 3, level=3, at=0.1, max_tokens=8), _admit(s, 3, level=3, at=0.2, max_tokens=8)
+    _run(s, s.step())
+    assert s.blocks.free_blocks == 1  # 1 + 1 + 1 blocks held, after 3 prompts of at most 4 tokens
+    plan = s.step()  # high needs its second block (its 5th token), then low_early's 4th token fits its first block
+    assert plan.preempted == () and set(plan.decode) == {high, low_early, low_late}
+    _run(s, plan)
+    plan = s.step()  # everyone needs a block now: only the lowest, latest ones give theirs up
+    assert plan.preempted[0] is low_late and high in plan.decode
+    _run(s, plan)
+    later = _admit(s, 2, level=3, at=5.0, max_tokens=4)
+    order = s._prefill_order()
+    assert order.index(low_late) < order.index(later)  # boosted: before its level's newer arrivals
+    assert s.preemptions >= 1 and low_late.boosted == 1
+
+
+def test_admission_refuses_what_cannot_make_its_first_token_deadline() -> None:
+    s = GenerationScheduler(GenerationConfig(), BlockManager(256, 16), Rates(prefill_tokens_per_s=1000, step_s=0.01))
+    _admit(s, 400, level=2)  # 0.4 s of prefill queued at level 2
+    late = Sequence(prompt=100, max_tokens=8, level=2, arrival=0.0, deadline=0.3)
+    refused = s.admit(late, 0.0, context=CONTEXT)
+    assert refused is not None and refused.reason == "deadline_unmeetable" and "deadline" in refused.message
+    assert s.waiting == 1  # nothing queued for it
+    urgent = Sequence(prompt=100, max_tokens=8, level=1, arrival=0.0, deadline=0.3)  # level 1 sees nothing ahead
+    assert s.admit(urgent, 0.0, context=CONTEXT) is None
+    with pytest.raises(ValueError, match="context"):
+        s.admit(Sequence(prompt=500, max_tokens=100, level=2, arrival=0.0), 0.0, context=CONTEXT)
+
+
+def test_a_high_priority_arrival_gets_its_first_token_within_a_few_steps_under_load() -> None:
+    s = _scheduler(blocks=512, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_threshold=32)
+    lows = [_admit(s, 200, level=3, at=i * 0.01, max_tokens=64) for i in range(8)]
+    for _ in range(5):
+        _run(s, s.step())
+    urgent = _admit(s, 20, level=1, at=1.0)
+    steps = 0
+    while not urgent.generated and steps < 4:
+        _run(s, s.step())
+        steps += 1
+    assert urgent.generated == 1 and steps <= 2
+    assert any(q.state == "waiting" for q in lows)  # it preempted to get in: max_num_seqs was full
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> DecoderRunner:
+    return DecoderRunner(DecoderConfig.load(build_tiny_lm_version(tmp_path_factory.mktemp("lm"), 1, TINY)))
+
+
+def _greedy_alone(runner: DecoderRunner, prompt: list[int], steps: int) -> list[int]:
+    token = int(runner.prefill("alone", prompt).argmax())
+    out = [token]
+    while len(out) < steps:
+        token = int(runner.decode(["alone"], [token])[0].argmax())
+        out.append(token)
+    runner.release("alone")
+    return out
+
+
+def _engine_step(s: GenerationScheduler, runner: DecoderRunner, plan: StepPlan) -> None:
+    """What the engine thread does with a plan: drop preempted caches, run chunks and the decode batch."""
+    for sequence in plan.preempted:
+        runner.release(sequence.id)
+    for sequence, chunk in plan.prefill:
+        tokens: list[int] = sequence.payload  # prompt + generated
+        known = tokens[: sequence.prompt + max(sequence.generated - 1, 0)]
+        logits = runner.prefill(sequence.id, known[sequence.prefilled : sequence.prefilled + chunk])
+        if sequence.prefilled + chunk == len(known) and sequence.generated == 0:
+            tokens.append(int(logits.argmax()))
+    if plan.decode:
+        logits = runner.decode([q.id for q in plan.decode], [q.payload[-1] for q in plan.decode])
+        for row, sequence in enumerate(plan.decode):
+            sequence.payload.append(int(logits[row].argmax()))
+    s.advance(plan)
+    for sequence in plan.decode + tuple(q for q, _ in plan.prefill):
+        if sequence.state == "finished":
+            runner.release(sequence.id)
+
+
+def test_preemption_and_recompute_leave_greedy_output_unchanged(runner: DecoderRunner) -> None:
+    rng = np.random.default_rng(21)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 23, 11, 17, 2, 30)]
+    steps = 12
+    expected = [_greedy_alone(runner, p, steps) for p in prompts]
+    # Few blocks, so that sequences growing past their blocks preempt each other, and a small budget and
+    # threshold, so that prompts are prefilled in chunks beside running decodes.
+    s = _scheduler(blocks=9, block_size=8, max_num_seqs=4, max_num_batched_tokens=16, long_prefill_threshold=8)
+    sequences = []
+    for i, prompt in enumerate(prompts):
+        sequence = Sequence(prompt=len(prompt), max_tokens=steps, level=1 + i % 3, arrival=i * 0.1,
+                            payload=list(prompt))  # fmt: skip
+        assert s.admit(sequence, sequence.arrival, context=CONTEXT) is None
+        sequences.append(sequence)
+    for _ in range(500):
+        if s.idle:
+            break
+        _engine_step(s, runner, s.step())
+    assert s.idle and s.blocks.used_blocks == 0 and runner.caches == {}
+    assert s.preemptions > 0  # the budget did force recomputes
+    assert [q.payload[q.prompt :] for q in sequences] == expected
