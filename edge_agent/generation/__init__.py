@@ -3,10 +3,11 @@
 - `blocks`: KV-cache memory in blocks;
 - `runner`: the decoder on a plain onnxruntime session with explicit past/present tensors (chunked prefill, one
   batched decode over sequences of different lengths);
+- `sampling`: greedy, temperature, top-k and top-p, seeded per sequence;
 - `scheduler`: the iteration-level scheduler core (decode first, prompt chunks in a token budget, `max_num_seqs`,
   preemption by recompute, admission on the predicted first token).
 
-The engine thread that drives them, sampling, the tokenizer and chat templates, and the OpenAI-compatible APIs are
+The engine thread that drives them, the tokenizer and chat templates, and the OpenAI-compatible APIs are
 to come (issue 13). Importing this package does not load onnxruntime; building a `DecoderRunner` does."""
 
 from edge_agent.generation.blocks import BlockManager, KvBudgetError, KvShape, blocks_for_budget
