@@ -32,6 +32,13 @@ if TYPE_CHECKING:
     import onnx
 
 TINY_LM = "tiny-lm"
+# The byte-level tokenizer's special tokens, after the 256 bytes (ids 0-255 are the bytes themselves).
+SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+BOS, EOS, PAD = 256, 257, 258
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"
 PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
 
@@ -189,7 +196,7 @@ def build_tiny_lm(shape: DecoderShape = TINY, *, seed: int = SEED) -> onnx.Model
     return model
 
 
-def genai_config(shape: DecoderShape, *, eos: int = 257, bos: int = 256, pad: int = 258) -> dict[str, Any]:
+def genai_config(shape: DecoderShape, *, eos: int = EOS, bos: int = BOS, pad: int = PAD) -> dict[str, Any]:
     """onnxruntime-genai's `genai_config.json` for the decoder (its model builder's field names)."""
     return {
         "model": {
@@ -221,9 +228,40 @@ def genai_config(shape: DecoderShape, *, eos: int = 257, bos: int = 256, pad: in
     }
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of the 256 bytes to printable characters, which the ByteLevel pre-tokenizer and decoder use."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]  # fmt: skip
+    chars, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars), strict=True))
+
+
+def build_tokenizer() -> Any:
+    """A byte-level tokenizer (Hugging Face `tokenizers`): token i < 256 is byte i, then `SPECIALS`; any text
+    encodes, and decoding gives back its bytes exactly."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    table = _bytes_to_unicode()
+    tokenizer = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
+    return tokenizer
+
+
 def build_tiny_lm_version(out: Path, version: int, shape: DecoderShape, *, seed: int = SEED) -> Path:
-    """Write `out/<version>/model.onnx` and its `genai_config.json`; returns the version's folder."""
+    """Write `out/<version>/`: `model.onnx`, `genai_config.json`, `tokenizer.json` and `tokenizer_config.json` (its
+    chat template, as Hugging Face models ship it); returns the version's folder."""
     folder = out / str(version)
     _write_atomically(folder / "model.onnx", build_tiny_lm(shape, seed=seed).SerializeToString())
     _write_atomically(folder / "genai_config.json", (json.dumps(genai_config(shape), indent=2) + "\n").encode())
+    _write_atomically(folder / "tokenizer.json", build_tokenizer().to_str().encode())
+    config = {"chat_template": CHAT_TEMPLATE, "bos_token": SPECIALS[0], "eos_token": SPECIALS[1],
+              "pad_token": SPECIALS[2]}  # fmt: skip
+    _write_atomically(folder / "tokenizer_config.json", (json.dumps(config, indent=2) + "\n").encode())
     return folder
