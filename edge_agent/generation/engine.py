@@ -1,0 +1,284 @@
+"""The generative engine of one model instance: a thread that owns the decoder runner and steps the scheduler, and
+an asyncio front end that admits requests at once and streams their tokens.
+
+- `submit` runs on the event loop: it tokenizes nothing (the caller hands over prompt tokens), asks the scheduler to
+  admit the sequence (a refusal is raised at once, before any token), and returns a `Stream`.
+- The engine thread loops: plan a step (under the lock the front end admits with), run it on the runner outside the
+  lock (onnxruntime releases the GIL; the event loop never runs a model step), sample each sequence's next token,
+  check EOS, stop strings and `max_tokens`, then hand each stream its new text with `call_soon_threadsafe`.
+- A stream that is cancelled (its client left) ends at the next step; its blocks are free then.
+- `drain` stops admitting and waits until every running stream has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from edge_agent.generation.runner import DecoderRunner
+from edge_agent.generation.sampling import Sampler, SamplingParams
+from edge_agent.generation.scheduler import GenerationScheduler, Sequence, StepPlan
+from edge_agent.generation.text import IncrementalText, TextCodec
+from edge_agent.scheduling.worker import Refused
+
+__all__ = ["Chunk", "GenerationEngine", "GenerationRequest", "Stream"]
+
+log = logging.getLogger("spillway.agent.generation")
+FinishReason = Literal["stop", "length", "cancelled", "error", "draining"]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: list[int]  # tokens
+    max_tokens: int
+    sampling: SamplingParams = GREEDY
+    stop: tuple[str, ...] = ()
+    priority: int = 0  # 0: the model's default level
+    timeout_s: float | None = None  # to the first token
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What a stream receives: new text (and its tokens); the last one has `finish_reason`."""
+
+    text: str
+    tokens: int  # output tokens in this chunk
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # so far
+
+
+@dataclass(eq=False)
+class _Job:
+    request: GenerationRequest
+    stream: Stream
+    sampler: Sampler
+    text: IncrementalText
+    tokens: list[int]  # prompt + generated
+    sent: int = 0  # characters of `text.text` handed to the stream
+    cancelled: bool = False
+
+
+class Stream:
+    """One request's chunks, in order, ending with one that has a `finish_reason`."""
+
+    def __init__(self, engine: GenerationEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[Chunk] = asyncio.Queue()
+        self.first_token_at: float | None = None
+        self.arrived = time.monotonic()
+        self.job: _Job | None = None
+
+    def _put(self, chunk: Chunk) -> None:  # on the event loop
+        if self.first_token_at is None and chunk.tokens:
+            self.first_token_at = time.monotonic()
+        self._queue.put_nowait(chunk)
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        while True:
+            chunk = await self._queue.get()
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+
+    def cancel(self) -> None:
+        """The client left: the sequence ends at the next step."""
+        if self.job is not None:
+            self.job.cancelled = True
+            self._engine._wake.set()
+
+
+@dataclass
+class _Timing:
+    steps: int = 0
+    step_s: float = 0.0
+
+
+class GenerationEngine:
+    def __init__(self, name: str, runner: DecoderRunner, text: TextCodec, scheduler: GenerationScheduler, *,
+                 context: int, eos: int | None = None) -> None:  # fmt: skip
+        self.name = name
+        self.runner = runner
+        self.text = text
+        self.scheduler = scheduler
+        self.context = context
+        self.eos = eos if eos is not None else text.eos_id
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle = asyncio.Event()
+        self.timing = _Timing()
+        self.counts: dict[str, int] = {"admitted": 0, "refused": 0, "finished": 0, "cancelled": 0}
+        self._jobs: dict[int, Sequence] = {}  # by sequence id: every sequence admitted and not ended
+
+    # ---- the front end (event loop) ------------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> Stream:
+        """Admit a request now or raise Refused (draining, queue full, a first-token deadline it cannot meet);
+        ValueError for one that cannot fit the model (the prompt and max_tokens beyond the context)."""
+        loop = self._loop = self._loop or asyncio.get_running_loop()
+        if self._thread is None:
+            self._start()
+        stream = Stream(self, loop)
+        level = self.scheduler.resolve_level(request.priority)
+        now = time.monotonic()
+        deadline = None if request.timeout_s is None else now + request.timeout_s
+        job = _Job(request, stream, Sampler(request.sampling), self.text.incremental(), list(request.prompt))
+        sequence = Sequence(prompt=len(request.prompt), max_tokens=request.max_tokens, level=level, arrival=now,
+                            deadline=deadline, payload=job)  # fmt: skip
+        with self._lock:
+            rejection = self.scheduler.admit(sequence, now, context=self.context)
+            if rejection is None:
+                self._jobs[sequence.id] = sequence
+        if rejection is not None:
+            self.counts["refused"] += 1
+            raise Refused(rejection)
+        self.counts["admitted"] += 1
+        stream.job = job
+        self._idle.clear()
+        self._wake.set()
+        return stream
+
+    async def drain(self) -> None:
+        """Stop admitting; return once every stream has ended."""
+        with self._lock:
+            self.scheduler.drain()
+            idle = self.scheduler.idle
+        if not idle:
+            await self._idle.wait()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ---- the engine thread ---------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name=f"generate-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            with self._lock:
+                self._end_cancelled()
+                plan = self.scheduler.step()
+                idle = self.scheduler.idle
+            if plan.empty:
+                if idle:
+                    self._post(self._idle.set)
+                self._wake.wait(0.05 if not idle else None)
+                self._wake.clear()
+                continue
+            try:
+                finished = self._run(plan)
+            except Exception:  # a model failure ends every stream of the step, never the engine
+                log.exception("a generation step of %s failed", self.name)
+                finished = {s: "error" for s in (*plan.decode, *(q for q, _ in plan.prefill))}
+                for sequence in finished:
+                    self._deliver(sequence.payload, self._chunk(sequence.payload, "", 0, "error"))
+            with self._lock:
+                self.scheduler.advance(plan, frozenset(finished))
+                for sequence in finished:
+                    self.scheduler.finish(sequence)
+                    self.runner.release(sequence.id)
+                    self._jobs.pop(sequence.id, None)
+
+    def _end_cancelled(self) -> None:
+        for sequence in [s for s in self._jobs.values() if s.payload.cancelled]:
+            self.scheduler.finish(sequence)
+            self.runner.release(sequence.id)
+            del self._jobs[sequence.id]
+            self.counts["cancelled"] += 1
+            self._deliver(sequence.payload, self._chunk(sequence.payload, "", 0, "cancelled"))
+
+    def _run(self, plan: StepPlan) -> dict[Sequence, FinishReason]:
+        """Run the plan; the sequences it finishes, with why."""
+        for sequence in plan.preempted:
+            self.runner.release(sequence.id)
+        started = time.perf_counter()
+        new_tokens: dict[Sequence, int] = {}
+        prefill_tokens = 0
+        for sequence, chunk in plan.prefill:
+            job: _Job = sequence.payload
+            known = job.tokens[: sequence.prompt + max(sequence.generated - 1, 0)]
+            logits = self.runner.prefill(sequence.id, known[sequence.prefilled : sequence.prefilled + chunk])
+            prefill_tokens += chunk
+            if sequence.prefilled + chunk == len(known) and sequence.generated == 0:
+                new_tokens[sequence] = job.sampler.sample(logits)
+        prefill_s = time.perf_counter() - started
+        if plan.decode:
+            logits = self.runner.decode([s.id for s in plan.decode], [s.payload.tokens[-1] for s in plan.decode])
+            for row, sequence in enumerate(plan.decode):
+                new_tokens[sequence] = sequence.payload.sampler.sample(logits[row])
+        elapsed = time.perf_counter() - started
+        self.scheduler.rates.observe(prefill_tokens, 0, prefill_s)
+        if plan.decode:
+            self.scheduler.rates.observe(0, len(plan.decode), elapsed - prefill_s)
+        self.timing.steps += 1
+        self.timing.step_s += elapsed
+        finished: dict[Sequence, FinishReason] = {}
+        for sequence, token in new_tokens.items():
+            reason = self._append(sequence, token)
+            if reason is not None:
+                finished[sequence] = reason
+        return finished
+
+    def _append(self, sequence: Sequence, token: int) -> FinishReason | None:
+        job: _Job = sequence.payload
+        job.tokens.append(token)
+        generated = len(job.tokens) - sequence.prompt
+        if token == self.eos:
+            self._deliver(job, self._chunk(job, job.text.text[job.sent :], 1, "stop"))
+            return "stop"
+        job.text.push(token)
+        text = job.text.text
+        for stop in job.request.stop:
+            at = text.find(stop, max(0, job.sent - len(stop)))
+            if at >= 0:
+                self._deliver(job, self._chunk(job, text[job.sent : at], 1, "stop"))
+                return "stop"
+        if generated >= job.request.max_tokens or len(job.tokens) >= self.context:
+            self._deliver(job, self._chunk(job, text[job.sent :], 1, "length"))
+            return "length"
+        # Hold back what could be the start of a stop string, so that a stop is never half sent.
+        hold = max((len(s) - 1 for s in job.request.stop), default=0)
+        ready = len(text) - hold
+        if ready > job.sent:
+            self._deliver(job, self._chunk(job, text[job.sent : ready], 1, None))
+        else:
+            self._deliver(job, self._chunk(job, "", 1, None))
+        return None
+
+    def _chunk(self, job: _Job, text: str, tokens: int, reason: FinishReason | None) -> Chunk:
+        job.sent += len(text)
+        prompt = len(job.request.prompt)
+        return Chunk(text, tokens, reason, prompt, len(job.tokens) - prompt)
+
+    def _deliver(self, job: _Job, chunk: Chunk) -> None:
+        if chunk.finish_reason is not None and chunk.finish_reason != "cancelled":
+            self.counts["finished"] += 1
+        self._post(job.stream._put, chunk)
+
+    def _post(self, callback: Callable[..., object], *args: object) -> None:
+        if self._loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    def json(self) -> dict[str, object]:
+        with self._lock:
+            return {"running": len(self.scheduler.running), "waiting": self.scheduler.waiting,
+                    "kv_blocks": self.scheduler.blocks.json(), "preemptions": self.scheduler.preemptions,
+                    "steps": self.timing.steps, **self.counts}  # fmt: skip

@@ -1,0 +1,136 @@
+"""The generative engine on tiny-lm: concurrent streams, on the engine's thread, give each what it gives alone; each
+ends exactly once with its reason (length, stop string, EOS, cancelled); a cancelled stream frees its blocks; a
+first-token deadline that cannot be met is refused at once; draining waits for every stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edge_agent.generation import BlockManager, DecoderConfig, DecoderRunner
+from edge_agent.generation.engine import Chunk, GenerationEngine, GenerationRequest, Stream
+from edge_agent.generation.scheduler import GenerationConfig, GenerationScheduler, Rates
+from edge_agent.generation.text import TextCodec
+from edge_agent.scheduling.worker import Refused
+from spillway.demo.tiny_lm import TINY, build_tiny_lm_version
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_lm_version(tmp_path_factory.mktemp("lm"), 1, TINY)
+
+
+@pytest.fixture
+def engine(folder: Path) -> Iterator[GenerationEngine]:
+    config = DecoderConfig.load(folder)
+    scheduler = GenerationScheduler(GenerationConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                                     long_prefill_threshold=16), BlockManager(64, 16))  # fmt: skip
+    built = GenerationEngine(
+        "tiny-lm", DecoderRunner(config), TextCodec.load(folder), scheduler, context=config.context
+    )
+    yield built
+    built.close()
+
+
+async def _collect(stream: Stream) -> list[Chunk]:
+    return [chunk async for chunk in stream]
+
+
+def _greedy_alone(folder: Path, prompt: list[int], steps: int) -> list[int]:
+    runner = DecoderRunner(DecoderConfig.load(folder))
+    token = int(runner.prefill(0, prompt).argmax())
+    out = [token]
+    while len(out) < steps:
+        token = int(runner.decode([0], [token])[0].argmax())
+        out.append(token)
+    return out
+
+
+def test_concurrent_streams_each_get_what_they_get_alone(engine: GenerationEngine, folder: Path) -> None:
+    prompts = [engine.text.encode(p) for p in ("Hello", "The quick brown fox", "1 2 3", "a much longer prompt " * 3)]
+
+    async def main() -> list[list[Chunk]]:
+        streams = [engine.submit(GenerationRequest(prompt=p, max_tokens=10)) for p in prompts]
+        return await asyncio.gather(*(_collect(s) for s in streams))
+
+    results = asyncio.run(main())
+    for prompt, chunks in zip(prompts, results, strict=True):
+        assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        last = chunks[-1]
+        expected = _greedy_alone(folder, prompt, 10)
+        if engine.eos in expected:  # it ended early, on EOS
+            expected = expected[: expected.index(engine.eos) + 1]
+            assert last.finish_reason == "stop"
+        else:
+            assert last.finish_reason == "length"
+        assert last.completion_tokens == len(expected) and last.prompt_tokens == len(prompt)
+        text = "".join(c.text for c in chunks)
+        assert text == engine.text.tokenizer.decode([t for t in expected if t != engine.eos], skip_special_tokens=True)
+    assert engine.scheduler.idle and engine.scheduler.blocks.used_blocks == 0
+    assert engine.counts == {"admitted": 4, "refused": 0, "finished": 4, "cancelled": 0}
+
+
+def test_a_stop_string_ends_the_stream_before_it(engine: GenerationEngine, folder: Path) -> None:
+    prompt = engine.text.encode("stop here")
+    full = engine.text.tokenizer.decode(_greedy_alone(folder, prompt, 12), skip_special_tokens=True)
+    stop = full[3:5]  # two characters the model writes
+    assert stop
+
+    async def main() -> list[Chunk]:
+        return await _collect(engine.submit(GenerationRequest(prompt=prompt, max_tokens=12, stop=(stop,))))
+
+    chunks = asyncio.run(main())
+    assert chunks[-1].finish_reason == "stop"
+    assert "".join(c.text for c in chunks) == full[: full.index(stop)]
+
+
+def test_a_cancelled_stream_ends_and_frees_its_blocks(engine: GenerationEngine) -> None:
+    async def main() -> list[Chunk]:
+        stream = engine.submit(GenerationRequest(prompt=engine.text.encode("cancel me"), max_tokens=400))
+        chunks = []
+        async for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                stream.cancel()
+        return chunks
+
+    chunks = asyncio.run(main())
+    assert chunks[-1].finish_reason == "cancelled" and len(chunks) < 400
+    assert engine.scheduler.idle and engine.scheduler.blocks.used_blocks == 0 and engine.runner.caches == {}
+    assert engine.counts["cancelled"] == 1
+
+
+def test_an_unmeetable_first_token_deadline_is_refused_at_once(folder: Path) -> None:
+    config = DecoderConfig.load(folder)
+    slow = Rates(prefill_tokens_per_s=10.0, step_s=0.01)  # as measured on a very slow device
+    scheduler = GenerationScheduler(GenerationConfig(), BlockManager(64, 16), slow)
+    engine = GenerationEngine("tiny-lm", DecoderRunner(config), TextCodec.load(folder), scheduler,
+                              context=config.context)  # fmt: skip
+
+    async def main() -> str:
+        with pytest.raises(Refused) as refused:
+            engine.submit(GenerationRequest(prompt=list(range(50)), max_tokens=4, timeout_s=0.5))
+        return refused.value.rejection.reason
+
+    try:
+        assert asyncio.run(main()) == "deadline_unmeetable"
+        assert engine.counts["refused"] == 1 and engine.scheduler.waiting == 0
+    finally:
+        engine.close()
+
+
+def test_draining_refuses_new_streams_and_waits_for_running_ones(engine: GenerationEngine) -> None:
+    async def main() -> tuple[list[Chunk], str]:
+        stream = engine.submit(GenerationRequest(prompt=engine.text.encode("drain"), max_tokens=20))
+        collecting = asyncio.ensure_future(_collect(stream))
+        await asyncio.sleep(0)
+        await engine.drain()
+        with pytest.raises(Refused) as refused:
+            engine.submit(GenerationRequest(prompt=[1, 2], max_tokens=2))
+        return await collecting, refused.value.rejection.reason
+
+    chunks, reason = asyncio.run(main())
+    assert chunks[-1].finish_reason in ("length", "stop") and reason == "draining"
