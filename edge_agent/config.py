@@ -67,6 +67,30 @@ class AsyncJobSettings(BaseModel):
     )
 
 
+class GenerationSettings(BaseModel):
+    """How the agent serves generative models (a model directory whose versions hold `genai_config.json`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_num_seqs: int = Field(default=8, ge=1, le=1024, description="sequences running at once")
+    max_num_batched_tokens: int = Field(default=512, ge=1, description="tokens one step computes")
+    long_prefill_threshold: int = Field(default=128, ge=1, description="the largest prompt chunk of one step")
+    block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV-cache block")
+    kv_budget_bytes: int | None = Field(default=None, gt=0, description="the KV cache's bytes (default: a share)")
+    kv_budget_share: float = Field(default=0.25, gt=0, le=1, description="share of free memory for the KV cache")
+    levels: int = Field(default=3, ge=1, le=16, description="priority levels (1 the highest)")
+    default_level: int = Field(default=2, ge=1, description="the level of a request without a priority")
+    default_max_tokens: int = Field(default=256, ge=1, description="max_tokens of a chat request without one")
+
+    @model_validator(mode="after")
+    def _levels_fit(self) -> GenerationSettings:
+        if self.default_level > self.levels:
+            raise ValueError(f"default_level {self.default_level} is not one of the {self.levels} levels")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs (a decode token for each)")
+        return self
+
+
 class AgentConfig(BaseModel):
     """Everything `spillway agent serve` needs; field names are the YAML keys."""
 
@@ -125,6 +149,7 @@ class AgentConfig(BaseModel):
     )
     overflow: OverflowSettings = Field(default_factory=OverflowSettings)
     async_jobs: AsyncJobSettings = Field(default_factory=AsyncJobSettings)
+    generation: GenerationSettings = Field(default_factory=GenerationSettings)
 
     @model_validator(mode="after")
     def _overflow_fits_the_role(self) -> AgentConfig:

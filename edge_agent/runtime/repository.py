@@ -74,12 +74,31 @@ def load_repository(root: Path) -> Repository:
     """Load every model directory under `root` (hidden ones skipped); one bad model refuses the whole load."""
     if not root.is_dir():
         raise ModelConfigError(f"{root}: the model repository is not a directory")
-    models = {
-        model_dir.name: load_model(model_dir)
-        for model_dir in sorted(root.iterdir())
-        if model_dir.is_dir() and not model_dir.name.startswith(".") and model_dir.name != "__pycache__"
-    }
+    models = {model_dir.name: load_model(model_dir) for model_dir in _model_dirs(root) if not is_generative(model_dir)}
     return Repository(root=root, models=models)
+
+
+def _model_dirs(root: Path) -> list[Path]:
+    return [d for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".") and d.name != "__pycache__"]
+
+
+def is_generative(model_dir: Path) -> bool:
+    """A generative model: a directory without a Triton config whose versions hold `genai_config.json`."""
+    if (model_dir / "config.pbtxt").exists() or (model_dir / "config.yaml").exists():
+        return False
+    return any((v / "genai_config.json").is_file() for v in model_dir.iterdir() if _VERSION_DIR.fullmatch(v.name))
+
+
+def generative_models(root: Path) -> dict[str, Path]:
+    """The generative models of a repository: name -> the newest version's directory."""
+    found = {}
+    for model_dir in _model_dirs(root) if root.is_dir() else []:
+        if is_generative(model_dir):
+            versions = [
+                v for v in model_dir.iterdir() if _VERSION_DIR.fullmatch(v.name) and (v / "genai_config.json").is_file()
+            ]
+            found[model_dir.name] = max(versions, key=lambda v: int(v.name))
+    return found
 
 
 def load_model(model_dir: Path) -> tuple[ModelVersion, ...]:

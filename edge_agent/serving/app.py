@@ -24,7 +24,9 @@ from spillway.contract import names
 from spillway.contract.v2 import encode_error
 
 if TYPE_CHECKING:
+    from edge_agent.generation.engine import GenerationEngine
     from edge_agent.overflow.queue import AsyncQueue
+    from edge_agent.serving.openai_api import OpenAIApi
 
 log = logging.getLogger("spillway.agent")
 # The headers, as ASGI carries them (bytes, lower case).
@@ -55,6 +57,7 @@ class InferenceApp:
         forwarder: Forwarder | None = None,
         default_outputs: dict[str, dict[str, np.ndarray]] | None = None,
         jobs: AsyncQueue | None = None,
+        openai: OpenAIApi | None = None,
     ) -> None:
         """Args beyond the obvious:
         policy: overflow, shed, fallback and variant decisions per model (None: serve everything as configured).
@@ -63,11 +66,14 @@ class InferenceApp:
         forwarder: overflow to the control plane's gateway (None: nowhere to overflow to).
         default_outputs: per model, the outputs (one row each) answered as `fallback_default` when overflow fails.
         jobs: the async queue, the last fallback when overflow fails, for the models it accepts.
+        openai: the OpenAI-compatible API of the generative models (None: none are served).
         """
         self.registry = registry
         self.token = token.encode() if token else None
         self.status = status
         self.jobs = jobs
+        self.openai = openai
+        self.engines: dict[str, GenerationEngine] = {}  # drained with the workers on shutdown
         self.pipeline = InferencePipeline(
             registry, max_body_bytes=max_body_bytes, allow_non_finite=allow_non_finite, policy=policy,
             responses=responses, forwarder=forwarder, default_outputs=default_outputs, jobs=jobs,
@@ -93,7 +99,12 @@ class InferenceApp:
             return
         method: str = scope["method"]
         try:
-            if method == "POST" and path.endswith("/infer"):
+            if path.startswith("/v1/"):
+                if self.openai is None:
+                    await _respond(send, 404, encode_error("this agent serves no generative model"))
+                else:
+                    await self.openai.handle(method, path, headers, receive, send)
+            elif method == "POST" and path.endswith("/infer"):
                 await self._infer(path, headers, receive, send)
             elif method in ("GET", "HEAD") and path.startswith(JOBS_PREFIX):
                 await self._job(path[len(JOBS_PREFIX) :], send)

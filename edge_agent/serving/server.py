@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -30,6 +30,7 @@ from spillway.graceful import GracefulServer
 if TYPE_CHECKING:
     import numpy as np
 
+    from edge_agent.generation.engine import GenerationEngine
     from edge_agent.overflow.forward import Forwarder
     from edge_agent.overflow.queue import AsyncQueue
     from edge_agent.policy.client import PolicyPoller
@@ -141,6 +142,7 @@ class Agent:
     poller: PolicyPoller | None
     forwarder: Forwarder | None = None
     jobs: AsyncQueue | None = None
+    engines: dict[str, GenerationEngine] = field(default_factory=dict)
 
     def status(self) -> dict[str, Any]:
         """The body of `GET /v2/spillway/status`."""
@@ -159,6 +161,7 @@ class Agent:
                 for (priority, outcome), count in sorted(m.worker.stats.outcomes.items())
             ],
             "telemetry": None if self.telemetry is None else self.telemetry.json(),
+            "generative": {name: engine.json() for name, engine in self.engines.items()},
         }
 
     async def start(self) -> None:
@@ -185,6 +188,8 @@ class Agent:
         """After serving: stop every worker and flush telemetry."""
         for worker in self.registry.workers():
             worker.close()
+        for engine in self.engines.values():
+            engine.close()
         if self.telemetry is not None:
             self.telemetry.shutdown()
 
@@ -279,6 +284,13 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
                         "(async_storage_full or async_storage_unavailable) until it can", store.path)  # fmt: skip
         jobs = AsyncQueue(store, registry, config.async_jobs.models, drain_below=config.async_jobs.drain_below,
                           allow_non_finite=config.allow_non_finite)  # fmt: skip
+    engines = _generative(config)
+    openai = None
+    if engines:
+        from edge_agent.serving.openai_api import OpenAIApi
+
+        openai = OpenAIApi(engines, max_body_bytes=config.max_body_bytes,
+                           default_max_tokens=config.generation.default_max_tokens)  # fmt: skip
     app = InferenceApp(
         registry,
         token=config.token.get_secret_value() if config.token else None,
@@ -289,12 +301,29 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         forwarder=forwarder,
         default_outputs=defaults,
         jobs=jobs,
+        openai=openai,
     )
-    agent = Agent(config, registry, app, applier, responses, telemetry, poller, forwarder, jobs)
+    app.engines = engines
+    agent = Agent(config, registry, app, applier, responses, telemetry, poller, forwarder, jobs, engines)
     app.status = agent.status
     app.on_startup.append(agent.start)
     app.on_shutdown.append(agent.stop)
     return agent
+
+
+def _generative(config: AgentConfig) -> dict[str, GenerationEngine]:
+    """An engine for each generative model of the repository (ModelConfigError naming what does not fit)."""
+    from edge_agent.runtime.repository import generative_models
+
+    found = generative_models(config.model_repository)
+    if not found:
+        return {}
+    from edge_agent.generation.load import load_engine
+
+    engines = {}
+    for name, folder in found.items():
+        engines[name] = load_engine(name, folder, config.generation, threads=config.intra_op_threads)
+    return engines
 
 
 def _safe(agent_id: str) -> str:
@@ -317,8 +346,10 @@ class DrainingServer(GracefulServer):
         if self.applier is not None:
             self.applier.closing = True  # no variant is loaded or switched to while draining
         workers = self.inference.registry.workers()  # retiring versions too: they still answer their queues
+        engines = self.inference.engines.values()  # every running stream ends, with its tokens
         try:
-            await asyncio.wait_for(asyncio.gather(*(w.drain() for w in workers)), self.drain_timeout_s)
+            await asyncio.wait_for(asyncio.gather(*(w.drain() for w in workers), *(e.drain() for e in engines)),
+                                   self.drain_timeout_s)  # fmt: skip
             log.info("drained: every queued request was answered")
         except asyncio.TimeoutError:
             log.warning("drain timed out after %.0f s", self.drain_timeout_s)

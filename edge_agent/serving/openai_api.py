@@ -1,0 +1,295 @@
+"""The OpenAI-compatible API of the agent's generative models: `GET /v1/models`, `POST /v1/completions` and
+`POST /v1/chat/completions`, non-streaming and `stream: true` (server-sent events `data: {chunk}` ending with
+`data: [DONE]`, `stream_options.include_usage` for a last chunk with the usage), as the `openai` package expects.
+
+Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a request that is wrong (the
+field named in `param`), 404 for a model that is not served, 413 for a body over the limit, 429 when the queue is
+full and 503 when the device cannot give the first token in time or drains, with Retry-After. Spillway's outcome is
+in the `spillway-outcome` header. A client that disconnects mid-stream cancels its sequence: its KV blocks are free
+at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from edge_agent.generation.engine import Chunk, GenerationEngine, GenerationRequest, Stream
+from edge_agent.generation.sampling import SamplingParams
+from edge_agent.scheduling.worker import Refused
+from spillway.contract import names
+from spillway.contract.v2 import BodyTooLarge, ClientGone, read_body
+
+__all__ = ["OpenAIApi"]
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+_OUTCOME = names.H_OUTCOME.encode()
+_ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
+MAX_STOPS = 4
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", retry_after_s: float | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> bytes:
+        return json.dumps(
+            {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        ).encode()
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be a number from {low} to {high}, got {value!r}", name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be a whole number from {low} to {high}, got {value!r}", name)
+    return value
+
+
+class OpenAIApi:
+    def __init__(self, engines: dict[str, GenerationEngine], *, max_body_bytes: int, default_max_tokens: int) -> None:
+        self.engines = engines
+        self.max_body_bytes = max_body_bytes
+        self.default_max_tokens = default_max_tokens
+        self.created = int(time.time())
+
+    async def handle(self, method: str, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
+        try:
+            if path == "/v1/models" and method in ("GET", "HEAD"):
+                data = [{"id": name, "object": "model", "created": self.created, "owned_by": "spillway"}
+                        for name in sorted(self.engines)]  # fmt: skip
+                await _respond(send, 200, json.dumps({"object": "list", "data": data}).encode())
+            elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
+                await self._generate(path.endswith("chat/completions"), headers, receive, send)
+            elif path.startswith("/v1/models/") and method in ("GET", "HEAD"):
+                name = path[len("/v1/models/") :]
+                self._engine(name)
+                model = {"id": name, "object": "model", "created": self.created, "owned_by": "spillway"}
+                await _respond(send, 200, json.dumps(model).encode())
+            else:
+                raise ApiError(404, f"no such endpoint: {method} {path}", code="not_found")
+        except ApiError as exc:
+            extra = [(b"retry-after", str(max(1, round(exc.retry_after_s))).encode())] if exc.retry_after_s else []
+            outcome = b"rejected"
+            await _respond(send, exc.status, exc.body(), extra=[(_OUTCOME, outcome), *extra])
+        except ClientGone:
+            return
+
+    def _engine(self, name: Any) -> GenerationEngine:
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "'model' must name a served model", "model")
+        engine = self.engines.get(name)
+        if engine is None:
+            raise ApiError(404, f"the model '{name[:100]}' does not exist (served: {sorted(self.engines)})", "model",
+                           "model_not_found")  # fmt: skip
+        return engine
+
+    async def _generate(self, chat: bool, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
+        try:
+            raw = await read_body(receive, headers.get(b"content-length"), self.max_body_bytes)
+        except BodyTooLarge as exc:
+            raise ApiError(413, str(exc), code="payload_too_large") from None
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        engine = self._engine(body.get("model"))
+        prompt = self._prompt(engine, body, chat)
+        request = self._request(engine, body, prompt, chat, headers)
+        try:
+            stream = engine.submit(request)
+        except Refused as exc:
+            reason = exc.rejection.reason
+            status = 429 if reason == "queue_full" else 503
+            raise ApiError(status, str(exc), code=reason, kind="server_error" if status == 503 else "rate_limit",
+                           retry_after_s=exc.rejection.retry_after_s) from None  # fmt: skip
+        except ValueError as exc:  # the prompt and max_tokens beyond the context, or the KV budget
+            raise ApiError(400, str(exc), "max_tokens") from None
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, stream))
+        try:
+            if body.get("stream") is True:
+                options = body.get("stream_options")
+                usage = isinstance(options, dict) and options.get("include_usage") is True
+                await self._stream(send, stream, ident, engine.name, chat, usage)
+            else:
+                await self._whole(send, stream, ident, engine.name, chat)
+        finally:
+            watcher.cancel()
+
+    def _prompt(self, engine: GenerationEngine, body: dict[str, Any], chat: bool) -> list[int]:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError(400, "'messages' must be a non-empty list of {role, content}", "messages")
+            clean = []
+            for i, message in enumerate(messages):
+                if not isinstance(message, dict):
+                    raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]")
+                role, content = message.get("role"), message.get("content")
+                if role not in _ROLES:
+                    raise ApiError(400, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}",
+                                   f"messages[{i}].role")  # fmt: skip
+                if isinstance(content, list):  # content parts: the text ones
+                    parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+                    content = "".join(p for p in parts if isinstance(p, str)) if parts else content
+                if not isinstance(content, str):
+                    raise ApiError(400, f"messages[{i}].content must be a string (or text parts)",
+                                   f"messages[{i}].content")  # fmt: skip
+                clean.append({"role": role, "content": content})
+            if not engine.text.chat:
+                raise ApiError(400, f"the model '{engine.name}' has no chat template: use /v1/completions", "model")
+            text = engine.text.chat_prompt(clean)
+        else:
+            given = body.get("prompt")
+            if isinstance(given, list) and len(given) == 1 and isinstance(given[0], str):
+                given = given[0]
+            if not isinstance(given, str) or not given:
+                raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
+            text = given
+        if len(text) > engine.context * 8:  # far beyond the context whatever the tokenizer: refused before encoding
+            raise ApiError(400, f"the prompt is longer than the model's {engine.context}-token context", "prompt",
+                           "context_length_exceeded")  # fmt: skip
+        tokens = engine.text.encode(text)
+        if len(tokens) >= engine.context:
+            raise ApiError(400, f"the prompt has {len(tokens)} tokens; the model's context is {engine.context}",
+                           "messages" if chat else "prompt", "context_length_exceeded")  # fmt: skip
+        return tokens
+
+    def _request(self, engine: GenerationEngine, body: dict[str, Any], prompt: list[int], chat: bool,
+                 headers: dict[bytes, bytes]) -> GenerationRequest:  # fmt: skip
+        room = engine.context - len(prompt)
+        name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        default = min(self.default_max_tokens, room) if chat else min(16, room)
+        max_tokens = _integer(body, name, default, 1, 1 << 30)
+        assert max_tokens is not None
+        if max_tokens > room:
+            raise ApiError(400, f"'{name}' {max_tokens} and the prompt's {len(prompt)} tokens exceed the model's "
+                           f"{engine.context}-token context", name, "context_length_exceeded")  # fmt: skip
+        if _integer(body, "n", 1, 1, 1) != 1:
+            raise ApiError(400, "'n' must be 1", "n")
+        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+        if top_p == 0:
+            raise ApiError(400, "'top_p' must be above 0", "top_p")
+        top_k = _integer(body, "top_k", 0, -1, 1 << 20)
+        seed = _integer(body, "seed", None, -(1 << 63), (1 << 64) - 1)
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+        if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+            raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOPS} non-empty strings", "stop")
+        priority = body.get("priority", 0)
+        header = headers.get(b"spillway-priority")
+        if header is not None:
+            priority = int(header) if header.isdigit() else -1
+        if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+            raise ApiError(400, f"'priority' must be a non-negative integer (1 the highest), got {priority!r}",
+                           "priority")  # fmt: skip
+        timeout = _integer(body, "timeout", None, 0, 1 << 40)  # microseconds to the first token, as on V2
+        return GenerationRequest(
+            prompt=prompt, max_tokens=max_tokens, stop=tuple(stops), priority=priority,
+            sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k or 0,
+                                    seed=None if seed is None else seed % (1 << 63)),
+            timeout_s=None if not timeout else timeout / 1e6,
+        )  # fmt: skip
+
+    async def _whole(self, send: Send, stream: Stream, ident: str, model: str, chat: bool) -> None:
+        chunks = [chunk async for chunk in stream]
+        last = chunks[-1]
+        text = "".join(c.text for c in chunks)
+        reason = _finish(last)
+        choice: dict[str, Any] = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+            if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        )  # fmt: skip
+        body = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model, "choices": [choice], "usage": _usage(last),
+                "spillway": {"outcome": _outcome(last), "finish_reason": last.finish_reason}}  # fmt: skip
+        status = 500 if last.finish_reason == "error" else 200
+        await _respond(send, status, json.dumps(body).encode(), extra=[(_OUTCOME, _outcome(last).encode())])
+
+    async def _stream(self, send: Send, stream: Stream, ident: str, model: str, chat: bool, usage: bool) -> None:
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (_OUTCOME, b"local")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        first = True
+
+        async def event(payload: dict[str, Any] | str) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
+
+        last: Chunk | None = None
+        async for chunk in stream:
+            last = chunk
+            reason = _finish(chunk) if chunk.finish_reason is not None else None
+            if not chunk.text and reason is None and not first:
+                continue
+            if chat:
+                delta: dict[str, Any] = {"content": chunk.text}
+                if first:
+                    delta["role"] = "assistant"
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": reason}
+            payload: dict[str, Any] = {"id": ident, "object": kind, "created": created, "model": model,
+                                       "choices": [choice]}  # fmt: skip
+            if reason is not None:
+                payload["spillway"] = {"outcome": _outcome(chunk), "finish_reason": chunk.finish_reason}
+            await event(payload)
+            first = False
+        if usage and last is not None:
+            await event({"id": ident, "object": kind, "created": created, "model": model, "choices": [],
+                         "usage": _usage(last)})  # fmt: skip
+        await event("[DONE]")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _finish(chunk: Chunk) -> str:
+    """OpenAI's finish_reason: `stop` or `length`; ours beyond those (cancelled, error) read as `stop`, with the
+    real one in `spillway.finish_reason`."""
+    return "length" if chunk.finish_reason == "length" else "stop"
+
+
+def _outcome(chunk: Chunk) -> str:
+    return names.ERROR if chunk.finish_reason == "error" else names.LOCAL
+
+
+def _usage(chunk: Chunk) -> dict[str, int]:
+    return {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.completion_tokens,
+            "total_tokens": chunk.prompt_tokens + chunk.completion_tokens}  # fmt: skip
+
+
+async def _watch_disconnect(receive: Receive, stream: Stream) -> None:
+    """Cancel the stream's sequence when its client leaves."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            stream.cancel()
+            return
+
+
+async def _respond(send: Send, status: int, body: bytes, *, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,127 @@
+"""The agent's OpenAI-compatible API, through the `openai` package against a real agent process serving tiny-lm:
+completions and chat completions, whole and streamed (usage included), concurrent streams that each get what they
+get alone, and bad input refused in OpenAI's shape naming the field, never a 5xx, never hurting other streams."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from spillway.demo.tiny_lm import TINY, TINY_LM, build_tiny_lm_version
+from tests.agent.conftest import RunningAgent, start_agent, stop_agent
+
+
+@pytest.fixture(scope="module")
+def lm_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningAgent]:
+    repo = tmp_path_factory.mktemp("repo")
+    build_tiny_lm_version(repo / TINY_LM, 1, TINY)
+    running = start_agent(repo, tmp_path_factory.mktemp("agent"), intra_op_threads=1,
+                          generation={"kv_budget_bytes": 64 << 20, "max_num_seqs": 4})  # fmt: skip
+    yield running
+    stop_agent(running)
+
+
+def _client(agent: RunningAgent) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{agent.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_and_a_whole_completion(lm_agent: RunningAgent) -> None:
+    client = _client(lm_agent)
+    assert [m.id for m in client.models.list()] == [TINY_LM]
+    done = client.completions.create(model=TINY_LM, prompt="Once upon a time", max_tokens=8, temperature=0)
+    again = client.completions.create(model=TINY_LM, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert done.choices[0].text == again.choices[0].text  # greedy: the same text
+    assert done.choices[0].finish_reason in ("length", "stop")
+    assert done.usage is not None and done.usage.prompt_tokens == len(b"Once upon a time")
+    assert 1 <= done.usage.completion_tokens <= 8
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+
+
+def test_a_streamed_chat_equals_the_whole_one_and_counts_usage(lm_agent: RunningAgent) -> None:
+    client = _client(lm_agent)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    whole = client.chat.completions.create(model=TINY_LM, messages=messages, max_tokens=12, temperature=0)
+    stream = client.chat.completions.create(model=TINY_LM, messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+
+
+def test_concurrent_streams_each_get_what_they_get_alone(lm_agent: RunningAgent) -> None:
+    prompts = [f"prompt number {i} " * (i + 1) for i in range(6)]
+    client = _client(lm_agent)
+    alone = [client.completions.create(model=TINY_LM, prompt=p, max_tokens=10, temperature=0).choices[0].text
+             for p in prompts]  # fmt: skip
+
+    async def together() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{lm_agent.url}/v1", api_key="unused", max_retries=0) as aclient:
+
+            async def one(prompt: str) -> str:
+                stream = await aclient.completions.create(model=TINY_LM, prompt=prompt, max_tokens=10,
+                                                          temperature=0, stream=True)  # fmt: skip
+                return "".join([c.choices[0].text async for c in stream if c.choices])
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(together()) == alone
+    status = httpx.get(f"{lm_agent.url}/v2/spillway/status", timeout=10).json()["generative"][TINY_LM]
+    assert status["running"] == 0 and status["kv_blocks"]["used"] == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "nope", "prompt": "x"}, 404, "model"),
+        ({"model": TINY_LM, "prompt": ""}, 400, "prompt"),
+        ({"model": TINY_LM, "prompt": 5}, 400, "prompt"),
+        ({"model": TINY_LM, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": TINY_LM, "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+        ({"model": TINY_LM, "prompt": "x", "temperature": 3}, 400, "temperature"),
+        ({"model": TINY_LM, "prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"model": TINY_LM, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": TINY_LM, "prompt": "x", "stop": [""]}, 400, "stop"),
+        ({"model": TINY_LM, "prompt": "x", "priority": -1}, 400, "priority"),
+        ({"model": TINY_LM, "prompt": "x" * 5000}, 400, "prompt"),
+    ],
+)
+def test_bad_completions_are_refused_naming_the_field(lm_agent: RunningAgent, body: dict[str, object], status: int,
+                                                      param: str) -> None:  # fmt: skip
+    answer = httpx.post(f"{lm_agent.url}/v1/completions", json=body, timeout=30)
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    assert answer.headers["spillway-outcome"] == "rejected"
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        (None, "messages"),
+        ([], "messages"),
+        (["hi"], "messages[0]"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": 7}], "messages[0].content"),
+    ],
+)
+def test_bad_chats_are_refused_naming_the_field(lm_agent: RunningAgent, messages: object, param: str) -> None:
+    answer = httpx.post(f"{lm_agent.url}/v1/chat/completions", json={"model": TINY_LM, "messages": messages},
+                        timeout=30)  # fmt: skip
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+
+
+def test_malformed_json_and_wrong_routes(lm_agent: RunningAgent, tmp_path: Path) -> None:
+    bad = httpx.post(f"{lm_agent.url}/v1/completions", content=b"{nope", timeout=30)
+    assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+    assert httpx.get(f"{lm_agent.url}/v1/nothing", timeout=30).status_code == 404
+    assert httpx.get(f"{lm_agent.url}/v1/models/{TINY_LM}", timeout=30).json()["id"] == TINY_LM
