@@ -239,7 +239,8 @@ def agent_serve(
 
 @models_app.command("build-demo")
 def build_demo(out: Annotated[Path, typer.Option(help="where to write the model repository")]) -> None:
-    """Write the demo repository: model `mlp`, v1 full (512-4096-4096-1000) and v2 lite (512-1024-1024-1000)."""
+    """Write the demo repository: model `mlp`, v1 full (512-4096-4096-1000) and v2 lite (512-1024-1024-1000), and the
+    decoder `tiny-lm` (v1 3 layers, v2 lite 1 layer) with its byte-level tokenizer and chat template."""
     from spillway.demo.models import build_demo_repository
 
     root = build_demo_repository(out)

@@ -139,13 +139,19 @@ def build_mlp(variant: DemoVariant, *, seed: int = SEED) -> onnx.ModelProto:
     return model
 
 
-def build_demo_repository(out: Path, *, seed: int = SEED) -> Path:
-    """Write `out/mlp/{config.pbtxt,1/model.onnx,2/model.onnx}`, replacing earlier builds; returns `out`."""
+def build_demo_repository(out: Path, *, seed: int = SEED, generative: bool = True) -> Path:
+    """Write `out/mlp/{config.pbtxt,1/model.onnx,2/model.onnx}` and (unless `generative` is False) the decoder
+    `out/tiny-lm/{1,2}/` (v2 the lite one), replacing earlier builds; returns `out`."""
     model_dir = out / MODEL_NAME
     for variant in DEMO_VARIANTS:
         model = build_mlp(variant, seed=seed)
         _write_atomically(model_dir / str(variant.version) / "model.onnx", model.SerializeToString())
     _write_atomically(model_dir / "config.pbtxt", CONFIG_PBTXT.encode())
+    if generative:
+        from spillway.demo.tiny_lm import TINY, TINY_LITE, TINY_LM, build_tiny_lm_version
+
+        build_tiny_lm_version(out / TINY_LM, 1, TINY, seed=seed)
+        build_tiny_lm_version(out / TINY_LM, 2, TINY_LITE, seed=seed)
     return out
 
 
