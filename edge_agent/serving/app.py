@@ -104,6 +104,8 @@ class InferenceApp:
                     await _respond(send, 404, encode_error("this agent serves no generative model"))
                 else:
                     await self.openai.handle(method, path, headers, receive, send)
+            elif method == "POST" and path.endswith(("/generate", "/generate_stream")):
+                await self._generate(path, headers, receive, send)
             elif method == "POST" and path.endswith("/infer"):
                 await self._infer(path, headers, receive, send)
             elif method in ("GET", "HEAD") and path.startswith(JOBS_PREFIX):
@@ -224,6 +226,19 @@ class InferenceApp:
         if job.status in ("queued", "running"):
             extra.append((_H_RETRY_AFTER, b"1"))
         await _respond(send, 200, json.dumps(body).encode(), extra=extra)
+
+    async def _generate(self, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
+        """Triton's generate extension, for the generative models (openai_api.py)."""
+        parts = path.strip("/").split("/")
+        name, version, rest = (
+            _model_path(parts[2:]) if len(parts) >= 4 and parts[:2] == ["v2", "models"] else ("", None, [])
+        )
+        if rest not in (["generate"], ["generate_stream"]):
+            await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
+        elif self.openai is None or name not in self.openai.engines:
+            await _respond(send, 404, encode_error(f"unknown generative model '{name}' (V2 models answer /infer)"))
+        else:
+            await self.openai.triton_generate(name, version, rest == ["generate_stream"], headers, receive, send)
 
     # ---- inference: the pipeline (pipeline.py) ------------------------------------------------------------------
 

@@ -93,6 +93,71 @@ class OpenAIApi:
         except ClientGone:
             return
 
+    async def triton_generate(self, name: str, version: str | None, stream: bool, headers: dict[bytes, bytes],
+                              receive: Receive, send: Send) -> None:  # fmt: skip
+        """Triton's generate extension: `POST /v2/models/{m}[/versions/{v}]/generate[_stream]` with `text_input` and
+        `parameters` (the same fields as a completion: max_tokens, temperature, top_p, top_k, seed, stop, priority,
+        timeout); answers `{model_name, model_version, text_output}`, streamed as SSE events of new text. Errors are
+        V2's, `{"error": "..."}`."""
+        try:
+            engine = self._engine(name)
+            raw = await read_body(receive, headers.get(b"content-length"), self.max_body_bytes)
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ApiError(400, "the body must be a JSON object")
+            parameters = body.get("parameters", {})
+            if not isinstance(parameters, dict):
+                raise ApiError(400, "'parameters' must be an object", "parameters")
+            text = body.get("text_input")
+            if not isinstance(text, str) or not text:
+                raise ApiError(400, "'text_input' must be a non-empty string", "text_input")
+            fields = {**parameters, "model": name, "prompt": text}
+            request = self._request(engine, fields, self._prompt(engine, fields, False), False, headers)
+            try:
+                generated = engine.submit(request)
+            except Refused as exc:
+                retry = exc.rejection.retry_after_s
+                raise ApiError(503, str(exc), code=exc.rejection.reason, retry_after_s=retry) from None
+        except BodyTooLarge as exc:
+            await _respond(send, 413, json.dumps({"error": str(exc)}).encode(), extra=[(_OUTCOME, b"rejected")])
+            return
+        except (ValueError, UnicodeDecodeError) as exc:  # not JSON
+            await _respond(send, 400, json.dumps({"error": f"the body is not valid JSON: {exc}"}).encode(),
+                           extra=[(_OUTCOME, b"rejected")])  # fmt: skip
+            return
+        except ApiError as exc:
+            message = exc.message if exc.param is None else f"{exc.message} (field {exc.param})"
+            extra = [(b"retry-after", str(max(1, round(exc.retry_after_s))).encode())] if exc.retry_after_s else []
+            await _respond(send, exc.status, json.dumps({"error": message}).encode(),
+                           extra=[(_OUTCOME, b"rejected"), *extra])  # fmt: skip
+            return
+        except ClientGone:
+            return
+        head = {"model_name": name, "model_version": version or "1"}
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, generated))
+        try:
+            if not stream:
+                chunks = [chunk async for chunk in generated]
+                answer = {**head, "text_output": "".join(c.text for c in chunks),
+                          "finish_reason": chunks[-1].finish_reason, "usage": _usage(chunks[-1])}  # fmt: skip
+                await _respond(send, 500 if chunks[-1].finish_reason == "error" else 200, json.dumps(answer).encode(),
+                               extra=[(_OUTCOME, _outcome(chunks[-1]).encode())])  # fmt: skip
+                return
+            start = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                     (_OUTCOME, b"local")]  # fmt: skip
+            await send({"type": "http.response.start", "status": 200, "headers": start})
+            async for chunk in generated:
+                if not chunk.text and chunk.finish_reason is None:
+                    continue
+                event: dict[str, Any] = {**head, "text_output": chunk.text}
+                if chunk.finish_reason is not None:
+                    event["finish_reason"] = chunk.finish_reason
+                await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
+                            "more_body": True})  # fmt: skip
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
+
     def _engine(self, name: Any) -> GenerationEngine:
         if not isinstance(name, str) or not name:
             raise ApiError(400, "'model' must name a served model", "model")

@@ -5,6 +5,7 @@ get alone, and bad input refused in OpenAI's shape naming the field, never a 5xx
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,3 +126,30 @@ def test_malformed_json_and_wrong_routes(lm_agent: RunningAgent, tmp_path: Path)
     assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
     assert httpx.get(f"{lm_agent.url}/v1/nothing", timeout=30).status_code == 404
     assert httpx.get(f"{lm_agent.url}/v1/models/{TINY_LM}", timeout=30).json()["id"] == TINY_LM
+
+
+def test_triton_generate_and_generate_stream(lm_agent: RunningAgent) -> None:
+    body = {"text_input": "Once upon a time", "parameters": {"max_tokens": 8, "temperature": 0}}
+    whole = httpx.post(f"{lm_agent.url}/v2/models/{TINY_LM}/generate", json=body, timeout=30)
+    assert whole.status_code == 200 and whole.headers["spillway-outcome"] == "local"
+    answer = whole.json()
+    completion = _client(lm_agent).completions.create(model=TINY_LM, prompt="Once upon a time", max_tokens=8,
+                                                      temperature=0)  # fmt: skip
+    assert answer["model_name"] == TINY_LM and answer["text_output"] == completion.choices[0].text
+    with httpx.stream("POST", f"{lm_agent.url}/v2/models/{TINY_LM}/generate_stream", json=body, timeout=30) as s:
+        assert s.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[len("data: ") :]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["text_output"] for e in events) == answer["text_output"]
+    assert events[-1]["finish_reason"] in ("length", "stop")
+
+
+def test_generative_and_v2_routes_refuse_each_others_models(lm_agent: RunningAgent) -> None:
+    infer = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 1], "data": [1]}]}
+    assert httpx.post(f"{lm_agent.url}/v2/models/{TINY_LM}/infer", json=infer, timeout=30).status_code == 404
+    wrong = httpx.post(f"{lm_agent.url}/v2/models/mlp/generate", json={"text_input": "x"}, timeout=30)
+    assert wrong.status_code == 404 and "generative" in wrong.json()["error"]
+    bad = httpx.post(f"{lm_agent.url}/v2/models/{TINY_LM}/generate", json={"text_input": ""}, timeout=30)
+    assert bad.status_code == 400 and "text_input" in bad.json()["error"]
+    bad = httpx.post(f"{lm_agent.url}/v2/models/{TINY_LM}/generate",
+                     json={"text_input": "x", "parameters": {"max_tokens": -1}}, timeout=30)  # fmt: skip
+    assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]
