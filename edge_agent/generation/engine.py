@@ -19,13 +19,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from edge_agent.generation.runner import DecoderRunner
 from edge_agent.generation.sampling import Sampler, SamplingParams
 from edge_agent.generation.scheduler import GenerationScheduler, Sequence, StepPlan
 from edge_agent.generation.text import IncrementalText, TextCodec
 from edge_agent.scheduling.worker import Refused
+from spillway.contract import names
 
 __all__ = ["Chunk", "GenerationEngine", "GenerationRequest", "Stream"]
 
@@ -42,6 +43,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     priority: int = 0  # 0: the model's default level
     timeout_s: float | None = None  # to the first token
+    operation: str = "text_completion"  # gen_ai.operation.name: text_completion or chat
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,9 @@ class _Job:
     sampler: Sampler
     text: IncrementalText
     tokens: list[int]  # prompt + generated
+    level: int = 0
+    arrived: float = 0.0  # time.monotonic()
+    first_token_at: float | None = None
     sent: int = 0  # characters of `text.text` handed to the stream
     cancelled: bool = False
 
@@ -102,6 +107,15 @@ class _Timing:
     step_s: float = 0.0
 
 
+class GenerationListener(Protocol):
+    """What the telemetry hears of a generative model (GenerationRecorder)."""
+
+    def outcome(self, priority: int, outcome: str) -> None: ...
+
+    def finished(self, priority: int, outcome: str, *, operation: str, prompt_tokens: int, completion_tokens: int,
+                 ttft_s: float | None, duration_s: float) -> None: ...  # fmt: skip
+
+
 class GenerationEngine:
     def __init__(self, name: str, runner: DecoderRunner, text: TextCodec, scheduler: GenerationScheduler, *,
                  context: int, eos: int | None = None) -> None:  # fmt: skip
@@ -119,6 +133,7 @@ class GenerationEngine:
         self._idle = asyncio.Event()
         self.timing = _Timing()
         self.counts: dict[str, int] = {"admitted": 0, "refused": 0, "finished": 0, "cancelled": 0}
+        self.listener: GenerationListener | None = None  # telemetry, when the agent exports metrics
         self._jobs: dict[int, Sequence] = {}  # by sequence id: every sequence admitted and not ended
 
     # ---- the front end (event loop) ------------------------------------------------------------------------------
@@ -133,21 +148,32 @@ class GenerationEngine:
         level = self.scheduler.resolve_level(request.priority)
         now = time.monotonic()
         deadline = None if request.timeout_s is None else now + request.timeout_s
-        job = _Job(request, stream, Sampler(request.sampling), self.text.incremental(), list(request.prompt))
+        job = _Job(request, stream, Sampler(request.sampling), self.text.incremental(), list(request.prompt),
+                   level=level, arrived=now)  # fmt: skip
         sequence = Sequence(prompt=len(request.prompt), max_tokens=request.max_tokens, level=level, arrival=now,
                             deadline=deadline, payload=job)  # fmt: skip
-        with self._lock:
-            rejection = self.scheduler.admit(sequence, now, context=self.context)
-            if rejection is None:
-                self._jobs[sequence.id] = sequence
+        try:
+            with self._lock:
+                rejection = self.scheduler.admit(sequence, now, context=self.context)
+                if rejection is None:
+                    self._jobs[sequence.id] = sequence
+        except ValueError:  # it cannot fit the model: counted as refused, told as a bad request
+            self.refused(level)
+            raise
         if rejection is not None:
-            self.counts["refused"] += 1
+            self.refused(level)
             raise Refused(rejection)
         self.counts["admitted"] += 1
         stream.job = job
         self._idle.clear()
         self._wake.set()
         return stream
+
+    def refused(self, level: int = 0) -> None:
+        """Count a request refused before any token (by admission, or as invalid: level 0)."""
+        self.counts["refused"] += 1
+        if self.listener is not None:
+            self.listener.outcome(level, names.REJECTED)
 
     async def drain(self) -> None:
         """Stop admitting; return once every stream has ended."""
@@ -267,8 +293,17 @@ class GenerationEngine:
         return Chunk(text, tokens, reason, prompt, len(job.tokens) - prompt)
 
     def _deliver(self, job: _Job, chunk: Chunk) -> None:
-        if chunk.finish_reason is not None and chunk.finish_reason != "cancelled":
-            self.counts["finished"] += 1
+        if chunk.tokens and job.first_token_at is None:
+            job.first_token_at = time.monotonic()
+        if chunk.finish_reason is not None:
+            if chunk.finish_reason != "cancelled":
+                self.counts["finished"] += 1
+            if self.listener is not None:  # one outcome per request: served here, or an error of the model run
+                outcome = names.ERROR if chunk.finish_reason == "error" else names.LOCAL
+                ttft = None if job.first_token_at is None else job.first_token_at - job.arrived
+                self.listener.finished(job.level, outcome, operation=job.request.operation,
+                                       prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
+                                       ttft_s=ttft, duration_s=time.monotonic() - job.arrived)  # fmt: skip
         self._post(job.stream._put, chunk)
 
     def _post(self, callback: Callable[..., object], *args: object) -> None:

@@ -112,7 +112,11 @@ class OpenAIApi:
             if not isinstance(text, str) or not text:
                 raise ApiError(400, "'text_input' must be a non-empty string", "text_input")
             fields = {**parameters, "model": name, "prompt": text}
-            request = self._request(engine, fields, self._prompt(engine, fields, False), False, headers)
+            try:
+                request = self._request(engine, fields, self._prompt(engine, fields, False), False, headers)
+            except ApiError:
+                engine.refused()
+                raise
             try:
                 generated = engine.submit(request)
             except Refused as exc:
@@ -179,8 +183,12 @@ class OpenAIApi:
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         engine = self._engine(body.get("model"))
-        prompt = self._prompt(engine, body, chat)
-        request = self._request(engine, body, prompt, chat, headers)
+        try:
+            prompt = self._prompt(engine, body, chat)
+            request = self._request(engine, body, prompt, chat, headers)
+        except ApiError:
+            engine.refused()  # counted: rejected, before its priority is known
+            raise
         try:
             stream = engine.submit(request)
         except Refused as exc:
@@ -273,6 +281,7 @@ class OpenAIApi:
         timeout = _integer(body, "timeout", None, 0, 1 << 40)  # microseconds to the first token, as on V2
         return GenerationRequest(
             prompt=prompt, max_tokens=max_tokens, stop=tuple(stops), priority=priority,
+            operation="chat" if chat else "text_completion",
             sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k or 0,
                                     seed=None if seed is None else seed % (1 << 63)),
             timeout_s=None if not timeout else timeout / 1e6,

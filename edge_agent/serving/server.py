@@ -245,12 +245,14 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         cache=PolicyCache(config.state_dir, agent_id) if polling else None,
         agent_id=agent_id,
     )
+    engines = _generative(config)
     telemetry = None
     settings = config.telemetry()
     if settings is not None:
         from edge_agent.telemetry import LiveTelemetry
 
-        telemetry = LiveTelemetry(settings, registry, policy=lambda: (applier.plan.version or 0, applier.plan.source))
+        telemetry = LiveTelemetry(settings, registry, policy=lambda: (applier.plan.version or 0, applier.plan.source),
+                                  engines=engines)  # fmt: skip
         applier.telemetry = telemetry
         log.info("exporting metrics every %.0f s as agent %s", settings.export_interval_s, settings.agent_id)
     poller = None
@@ -284,7 +286,6 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
                         "(async_storage_full or async_storage_unavailable) until it can", store.path)  # fmt: skip
         jobs = AsyncQueue(store, registry, config.async_jobs.models, drain_below=config.async_jobs.drain_below,
                           allow_non_finite=config.allow_non_finite)  # fmt: skip
-    engines = _generative(config)
     openai = None
     if engines:
         from edge_agent.serving.openai_api import OpenAIApi

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.telemetry.metrics import AgentTelemetry, TelemetrySettings
 
 if TYPE_CHECKING:
+    from edge_agent.generation.engine import GenerationEngine
     from edge_agent.serving.models import LoadedModel, ModelRegistry
 
 log = logging.getLogger("spillway.agent.telemetry")
@@ -28,6 +29,7 @@ class LiveTelemetry:
         *,
         factory: Callable[[TelemetrySettings], AgentTelemetry] = AgentTelemetry,
         policy: Callable[[], tuple[int, str]] | None = None,
+        engines: Mapping[str, GenerationEngine] | None = None,
     ) -> None:
         """Args:
         base: the settings from the agent's config (a policy overrides buckets and interval only).
@@ -39,6 +41,7 @@ class LiveTelemetry:
         self.registry = registry
         self._factory = factory
         self._policy = policy
+        self.engines = dict(engines or {})
         self.settings = base
         self.current = self._start(base)
 
@@ -53,6 +56,9 @@ class LiveTelemetry:
                     yield {"model": model.config.name, "model.version": str(model.version), "priority": level}, depth
 
         telemetry.watch_queue(depths)
+        for name, engine in self.engines.items():
+            engine.listener = telemetry.generation(name)
+        telemetry.watch_engines(lambda: [(name, engine.json()) for name, engine in self.engines.items()])
         if self._policy is not None:
             telemetry.watch_policy(self._policy)
         return telemetry

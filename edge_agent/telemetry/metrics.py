@@ -83,6 +83,10 @@ class AgentTelemetry:
                  for name in DURATIONS]  # fmt: skip
         views.append(View(instrument_name=names.BATCH_SIZE,
                           aggregation=ExplicitBucketHistogramAggregation(BATCH_BUCKETS)))  # fmt: skip
+        for name, bounds in ((names.GENAI_TTFT, names.GENAI_TTFT_BUCKETS), (names.GENAI_TPOT, names.GENAI_TPOT_BUCKETS),
+                             (names.GENAI_REQUEST_DURATION, names.GENAI_DURATION_BUCKETS),
+                             (names.GENAI_TOKEN_USAGE, names.GENAI_TOKEN_BUCKETS)):  # fmt: skip
+            views.append(View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(bounds)))
         all_readers = list(readers) if readers is not None else otlp_readers(settings)
         self.provider = MeterProvider(resource=resource_for(settings), metric_readers=all_readers, views=views)
         meter = self.provider.get_meter("spillway.edge_agent", __version__)
@@ -104,9 +108,38 @@ class AgentTelemetry:
         self._policy_source: Callable[[], tuple[int, str]] | None = None
         meter.create_observable_gauge(names.POLICY_VERSION, callbacks=[self._observe_policy], unit="1",
                                       description="version of the active policy document (0: none)")  # fmt: skip
+        self.ttft = meter.create_histogram(names.GENAI_TTFT, unit="s", description="time to the first token")
+        self.tpot = meter.create_histogram(names.GENAI_TPOT, unit="s", description="time per output token after it")
+        self.genai_duration = meter.create_histogram(names.GENAI_REQUEST_DURATION, unit="s",
+                                                     description="arrival to the last token")  # fmt: skip
+        self.token_usage = meter.create_histogram(names.GENAI_TOKEN_USAGE, unit="{token}",
+                                                  description="input and output tokens per request")  # fmt: skip
+        self._engine_sources: list[Callable[[], Iterable[tuple[str, dict[str, Any]]]]] = []
+        meter.create_observable_gauge(names.KV_BLOCKS_USED, callbacks=[self._observe("used")], unit="{block}",
+                                      description="KV-cache blocks held by sequences")  # fmt: skip
+        meter.create_observable_gauge(names.KV_BLOCKS_TOTAL, callbacks=[self._observe("total")], unit="{block}",
+                                      description="KV-cache blocks of the budget")  # fmt: skip
+        meter.create_observable_counter(names.PREEMPTIONS, callbacks=[self._observe("preemptions")],
+                                        unit="{sequence}", description="sequences preempted (recomputed)")  # fmt: skip
         if probes:
             register_probes(meter)
         self._closed = False
+
+    def watch_engines(self, source: Callable[[], Iterable[tuple[str, dict[str, Any]]]]) -> None:
+        """`source()` yields (model, engine.json()) pairs when the generative gauges are read."""
+        self._engine_sources.append(source)
+
+    def _observe(self, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            for source in self._engine_sources:
+                for model, state in source():
+                    value = state["preemptions"] if key == "preemptions" else state["kv_blocks"][key]
+                    yield Observation(value, {names.ATTR_MODEL: model})
+
+        return observe
+
+    def generation(self, model: str) -> GenerationRecorder:
+        return GenerationRecorder(self, model)
 
     def recorder(self, model: str, version: int) -> ModelRecorder:
         return ModelRecorder(self, model, str(version))
@@ -172,3 +205,29 @@ class ModelRecorder:
     def batch(self, rows: int, compute_s: float, ok: bool) -> None:
         if ok:
             self.telemetry.batch_size.record(rows, self._batch_attributes)
+
+
+class GenerationRecorder:
+    """One generative model's hooks: the GenAI histograms and `spillway.requests`, called from its engine thread
+    (the SDK's instruments are thread-safe)."""
+
+    def __init__(self, telemetry: AgentTelemetry, model: str) -> None:
+        self.telemetry = telemetry
+        self.model = model
+
+    def outcome(self, priority: int, outcome: str) -> None:
+        self.telemetry.requests.add(1, {names.ATTR_MODEL: self.model, names.ATTR_VERSION: "1",
+                                        names.ATTR_PRIORITY: priority, names.ATTR_OUTCOME: outcome})  # fmt: skip
+
+    def finished(self, priority: int, outcome: str, *, operation: str, prompt_tokens: int, completion_tokens: int,
+                 ttft_s: float | None, duration_s: float) -> None:  # fmt: skip
+        self.outcome(priority, outcome)
+        t = self.telemetry
+        attributes = {names.ATTR_GENAI_MODEL: self.model, names.ATTR_GENAI_OPERATION: operation}
+        t.genai_duration.record(duration_s, attributes)
+        if ttft_s is not None:
+            t.ttft.record(ttft_s, attributes)
+            if completion_tokens > 1:
+                t.tpot.record((duration_s - ttft_s) / (completion_tokens - 1), attributes)
+        t.token_usage.record(prompt_tokens, {**attributes, names.ATTR_GENAI_TOKEN_TYPE: "input"})
+        t.token_usage.record(completion_tokens, {**attributes, names.ATTR_GENAI_TOKEN_TYPE: "output"})

@@ -24,6 +24,22 @@ GPU_UTILIZATION = "hw.gpu.utilization"  # gauge, 0..1
 TEMPERATURE = "hw.temperature"  # gauge, Cel
 DEVICE_GAUGES = (GPU_MEMORY_USAGE, GPU_MEMORY_LIMIT, GPU_UTILIZATION, TEMPERATURE)
 
+# Generative models: the OTel GenAI semantic conventions (status Development), with their recommended buckets.
+GENAI_TTFT = "gen_ai.server.time_to_first_token"  # histogram, s
+GENAI_TPOT = "gen_ai.server.time_per_output_token"  # histogram, s: after the first token
+GENAI_REQUEST_DURATION = "gen_ai.server.request.duration"  # histogram, s
+GENAI_TOKEN_USAGE = "gen_ai.client.token.usage"  # noqa: S105 (a metric name) histogram, {token}, by gen_ai.token.type
+GENAI_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+GENAI_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+GENAI_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+GENAI_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+KV_BLOCKS_USED = "spillway.kv.blocks.used"  # gauge: model
+KV_BLOCKS_TOTAL = "spillway.kv.blocks.total"  # gauge: model
+PREEMPTIONS = "spillway.generation.preemptions"  # counter: model
+ATTR_GENAI_MODEL = "gen_ai.request.model"
+ATTR_GENAI_OPERATION = "gen_ai.operation.name"  # chat | text_completion
+ATTR_GENAI_TOKEN_TYPE = "gen_ai.token.type"  # noqa: S105 (an attribute name): input or output
+
 # Attributes on the points and on the resource.
 ATTR_MODEL = "model"
 ATTR_VERSION = "model.version"
@@ -80,6 +96,9 @@ H_RETRY_AFTER = "retry-after"
 
 __all__ = [
     "ATTR_DEVICE_CLASS",
+    "ATTR_GENAI_MODEL",
+    "ATTR_GENAI_OPERATION",
+    "ATTR_GENAI_TOKEN_TYPE",
     "ATTR_MODEL",
     "ATTR_OUTCOME",
     "ATTR_PRIORITY",
@@ -92,6 +111,14 @@ __all__ = [
     "ERROR",
     "FALLBACK_CACHE",
     "FALLBACK_DEFAULT",
+    "GENAI_DURATION_BUCKETS",
+    "GENAI_REQUEST_DURATION",
+    "GENAI_TOKEN_BUCKETS",
+    "GENAI_TOKEN_USAGE",
+    "GENAI_TPOT",
+    "GENAI_TPOT_BUCKETS",
+    "GENAI_TTFT",
+    "GENAI_TTFT_BUCKETS",
     "GOOD_OUTCOMES",
     "GPU_MEMORY_LIMIT",
     "GPU_MEMORY_USAGE",
@@ -105,11 +132,14 @@ __all__ = [
     "H_RETRY_AFTER",
     "H_TIMEOUT_US",
     "H_VARIANT",
+    "KV_BLOCKS_TOTAL",
+    "KV_BLOCKS_USED",
     "LOCAL",
     "OUTCOMES",
     "OVERFLOW",
     "POLICY_REFUSALS",
     "POLICY_VERSION",
+    "PREEMPTIONS",
     "QUEUED_ASYNC",
     "QUEUE_DEPTH",
     "QUEUE_DURATION",

@@ -134,3 +134,43 @@ def test_draining_refuses_new_streams_and_waits_for_running_ones(engine: Generat
 
     chunks, reason = asyncio.run(main())
     assert chunks[-1].finish_reason in ("length", "stop") and reason == "draining"
+
+
+def test_generative_telemetry_follows_the_genai_conventions(engine: GenerationEngine) -> None:
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from edge_agent.telemetry import AgentTelemetry, TelemetrySettings
+    from spillway.contract import names
+
+    reader = InMemoryMetricReader()
+    telemetry = AgentTelemetry(TelemetrySettings(agent_id="t"), readers=[reader], probes=False)
+    engine.listener = telemetry.generation("tiny-lm")
+    telemetry.watch_engines(lambda: [("tiny-lm", engine.json())])
+
+    async def main() -> list[Chunk]:
+        stream = engine.submit(GenerationRequest(prompt=engine.text.encode("measure me"), max_tokens=6))
+        return await _collect(stream)
+
+    chunks = asyncio.run(main())
+    with pytest.raises(ValueError, match="context"):
+        asyncio.run(_submit_too_long(engine))
+    data = reader.get_metrics_data()
+    assert data is not None
+    points = {m.name: list(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics
+              for m in sm.metrics}  # fmt: skip
+    (ttft,) = points[names.GENAI_TTFT]
+    assert ttft.count == 1 and tuple(ttft.explicit_bounds) == names.GENAI_TTFT_BUCKETS
+    assert ttft.attributes[names.ATTR_GENAI_MODEL] == "tiny-lm"
+    (tpot,) = points[names.GENAI_TPOT]
+    assert tpot.count == 1 and tuple(tpot.explicit_bounds) == names.GENAI_TPOT_BUCKETS
+    usage = {p.attributes[names.ATTR_GENAI_TOKEN_TYPE]: p.sum for p in points[names.GENAI_TOKEN_USAGE]}
+    assert usage == {"input": len(b"measure me"), "output": chunks[-1].completion_tokens}
+    outcomes = {(p.attributes["priority"], p.attributes["outcome"]): p.value for p in points[names.REQUESTS]}
+    assert outcomes == {(2, "local"): 1, (2, "rejected"): 1}  # the too-long one counted, once
+    (total,) = points[names.KV_BLOCKS_TOTAL]
+    assert total.value == engine.scheduler.blocks.total and points[names.KV_BLOCKS_USED][0].value == 0
+    telemetry.shutdown()
+
+
+async def _submit_too_long(engine: GenerationEngine) -> None:
+    engine.submit(GenerationRequest(prompt=list(range(200)) * 3, max_tokens=8))
