@@ -104,6 +104,8 @@ def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard
             _say(f"error: the overflow story failed: {exc}")
             return 1
         _say()
+        generative_story(agent_base)
+        _say()
         _say(f"  curl {agent_base}/v2/spillway/status")
         _say(f'  curl -H "Authorization: Bearer $SPILLWAY_API_KEY" {base}/api/v1/agents/{agent_id}/metrics?window=5m')
         _say(f'  curl -H "Authorization: Bearer $SPILLWAY_API_KEY" {base}/api/v1/events')
@@ -119,6 +121,16 @@ def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard
             return cp.wait()
         except KeyboardInterrupt:
             return 0
+
+
+def generative_story(agent_base: str) -> None:
+    """A mixed-priority burst of streamed chats to tiny-lm on the edge agent, through the `openai` package."""
+    from spillway.demo.generate_story import format_generative, run_generative_burst
+
+    _say("Generative: 24 streamed chat completions to tiny-lm (32 tokens each, 12 at a time, priorities 1-3), through")
+    _say(f"the openai package at {agent_base}/v1, as its clients saw them (continuous batching on the agent):")
+    reports, wall_s = asyncio.run(run_generative_burst(agent_base))
+    _say(format_generative(reports, wall_s))
 
 
 def _start_dashboard(story: Any, admin_key: str, port: int) -> Any:

@@ -186,3 +186,8 @@ def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:
     assert local_share["burst (3x)"][0] > local_share["burst (3x)"][1], local_share  # priority 1 stays local
     assert table["cloud back (3x)"].get("overflow", 0) > 0, table  # the cloud is used again once it is back
     assert table["calm (0.5x)"]["local"] >= 0.9 * table["calm (0.5x)"]["sent"], table
+    # The generative act: 24 streamed chats to tiny-lm through the openai package, each with an outcome.
+    assert "Generative: 24 streamed chat completions to tiny-lm" in out.stdout, out.stdout
+    streams = re.findall(r"^  +([123])  +(\d+)  +(local \d+[^ ]*(?:, \w+ \d+)*)", out.stdout, re.MULTILINE)
+    assert [s[0] for s in streams] == ["1", "2", "3"] and sum(int(s[1]) for s in streams) == 24, out.stdout
+    assert re.search(r"^  \d+ output tokens in [\d.]+ s: \d+ tokens/s$", out.stdout, re.MULTILINE), out.stdout
