@@ -25,6 +25,7 @@ from edge_agent.generation.runner import DecoderRunner
 from edge_agent.generation.sampling import Sampler, SamplingParams
 from edge_agent.generation.scheduler import GenerationScheduler, Sequence, StepPlan
 from edge_agent.generation.text import IncrementalText, TextCodec
+from edge_agent.scheduling.core import Rejection
 from edge_agent.scheduling.worker import Refused
 from spillway.contract import names
 
@@ -69,6 +70,7 @@ class _Job:
     first_token_at: float | None = None
     sent: int = 0  # characters of `text.text` handed to the stream
     cancelled: bool = False
+    ended: bool = False  # its final chunk is out: nothing more is delivered
 
 
 class Stream:
@@ -95,8 +97,8 @@ class Stream:
                 return
 
     def cancel(self) -> None:
-        """The client left: the sequence ends at the next step."""
-        if self.job is not None:
+        """The client left: the sequence ends at the next step (nothing happens once it has ended)."""
+        if self.job is not None and not self.job.ended:
             self.job.cancelled = True
             self._engine._wake.set()
 
@@ -118,8 +120,9 @@ class GenerationListener(Protocol):
 
 class GenerationEngine:
     def __init__(self, name: str, runner: DecoderRunner, text: TextCodec, scheduler: GenerationScheduler, *,
-                 context: int, eos: int | None = None) -> None:  # fmt: skip
+                 context: int, eos: int | None = None, version: str = "1") -> None:  # fmt: skip
         self.name = name
+        self.version = version
         self.runner = runner
         self.text = text
         self.scheduler = scheduler
@@ -130,7 +133,9 @@ class GenerationEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._idle = asyncio.Event()
+        self.broken: str | None = None  # why the engine thread stopped on an error of ours (it refuses then)
+        # Final chunks of the step being run, handed over once the step's sequences have freed their blocks.
+        self._finals: list[tuple[_Job, Chunk]] | None = None
         self.timing = _Timing()
         self.counts: dict[str, int] = {"admitted": 0, "refused": 0, "finished": 0, "cancelled": 0}
         self.listener: GenerationListener | None = None  # telemetry, when the agent exports metrics
@@ -142,6 +147,9 @@ class GenerationEngine:
         """Admit a request now or raise Refused (draining, queue full, a first-token deadline it cannot meet);
         ValueError for one that cannot fit the model (the prompt and max_tokens beyond the context)."""
         loop = self._loop = self._loop or asyncio.get_running_loop()
+        if self.broken is not None:
+            self.refused()
+            raise Refused(Rejection("draining", f"the model's engine stopped: {self.broken}; see the agent log", 5.0))
         if self._thread is None:
             self._start()
         stream = Stream(self, loop)
@@ -165,7 +173,6 @@ class GenerationEngine:
             raise Refused(rejection)
         self.counts["admitted"] += 1
         stream.job = job
-        self._idle.clear()
         self._wake.set()
         return stream
 
@@ -179,9 +186,11 @@ class GenerationEngine:
         """Stop admitting; return once every stream has ended."""
         with self._lock:
             self.scheduler.drain()
-            idle = self.scheduler.idle
-        if not idle:
-            await self._idle.wait()
+        while True:  # polled under the lock: a flag set from the engine thread could go stale before it is read
+            with self._lock:
+                if self.scheduler.idle:
+                    return
+            await asyncio.sleep(0.01)
 
     def close(self) -> None:
         self._stop = True
@@ -196,30 +205,59 @@ class GenerationEngine:
         self._thread.start()
 
     def _serve(self) -> None:
-        while not self._stop:
+        try:
+            while not self._stop:
+                self._step()
+        except Exception as exc:  # a bug of ours: every stream still gets its end, and new ones are refused
+            log.exception("the generative engine of %s stopped", self.name)
+            self.broken = f"{type(exc).__name__}: {exc}"
+        finally:
             with self._lock:
-                self._end_cancelled()
-                plan = self.scheduler.step()
-                idle = self.scheduler.idle
-            if plan.empty:
-                if idle:
-                    self._post(self._idle.set)
-                self._wake.wait(0.05 if not idle else None)
-                self._wake.clear()
-                continue
-            try:
-                finished = self._run(plan)
-            except Exception:  # a model failure ends every stream of the step, never the engine
-                log.exception("a generation step of %s failed", self.name)
-                finished = {s: "error" for s in (*plan.decode, *(q for q, _ in plan.prefill))}
-                for sequence in finished:
-                    self._deliver(sequence.payload, self._chunk(sequence.payload, "", 0, "error"))
-            with self._lock:
-                self.scheduler.advance(plan, frozenset(finished))
-                for sequence in finished:
+                for sequence in list(self._jobs.values()):
                     self.scheduler.finish(sequence)
                     self.runner.release(sequence.id)
-                    self._jobs.pop(sequence.id, None)
+                    reason: FinishReason = "error" if self.broken else "cancelled"
+                    self._deliver(sequence.payload, self._chunk(sequence.payload, "", 0, reason))
+                self._jobs.clear()
+
+    def _step(self) -> None:
+        with self._lock:
+            self._end_cancelled()
+            plan = self.scheduler.step()
+            for sequence in plan.preempted:  # a recompute starts from its tokens: its cache goes now
+                self.runner.release(sequence.id)
+            idle = self.scheduler.idle
+        if plan.empty:
+            self._wake.wait(0.05 if not idle else None)
+            self._wake.clear()
+            return
+        self._finals = []
+        try:
+            self._run_and_settle(plan)
+        finally:  # a stream ends once its blocks are free: its client sees the pool as it is
+            finals, self._finals = self._finals, None
+            for job, chunk in finals:
+                self._post(job.stream._put, chunk)
+
+    def _run_and_settle(self, plan: StepPlan) -> None:
+        try:
+            finished = self._run(plan)
+        except Exception:  # a model failure ends every stream of the step, never the engine
+            log.exception("a generation step of %s failed", self.name)
+            finished = {s: "error" for s in (*plan.decode, *(q for q, _ in plan.prefill))}
+            for sequence in finished:
+                self._deliver(sequence.payload, self._chunk(sequence.payload, "", 0, "error"))
+        with self._lock:
+            self.scheduler.advance(plan, frozenset(finished))
+            for sequence in finished:
+                self.scheduler.finish(sequence)
+                self.runner.release(sequence.id)
+                self._jobs.pop(sequence.id, None)
+            for sequence in (*plan.decode, *(q for q, _ in plan.prefill)):  # ended by the scheduler alone
+                if sequence.state == "finished" and sequence.id in self._jobs:
+                    self.runner.release(sequence.id)
+                    del self._jobs[sequence.id]
+                    self._deliver(sequence.payload, self._chunk(sequence.payload, "", 0, "length"))
 
     def _end_cancelled(self) -> None:
         for sequence in [s for s in self._jobs.values() if s.payload.cancelled]:
@@ -231,8 +269,6 @@ class GenerationEngine:
 
     def _run(self, plan: StepPlan) -> dict[Sequence, FinishReason]:
         """Run the plan; the sequences it finishes, with why."""
-        for sequence in plan.preempted:
-            self.runner.release(sequence.id)
         started = time.perf_counter()
         new_tokens: dict[Sequence, int] = {}
         prefill_tokens = 0
@@ -270,11 +306,10 @@ class GenerationEngine:
             return "stop"
         job.text.push(token)
         text = job.text.text
-        for stop in job.request.stop:
-            at = text.find(stop, max(0, job.sent - len(stop)))
-            if at >= 0:
-                self._deliver(job, self._chunk(job, text[job.sent : at], 1, "stop"))
-                return "stop"
+        found = [at for stop in job.request.stop if (at := text.find(stop, job.sent)) >= 0]
+        if found:  # the earliest match ends it, whichever stop string it is
+            self._deliver(job, self._chunk(job, text[job.sent : min(found)], 1, "stop"))
+            return "stop"
         if generated >= job.request.max_tokens or len(job.tokens) >= self.context:
             self._deliver(job, self._chunk(job, text[job.sent :], 1, "length"))
             return "length"
@@ -293,6 +328,9 @@ class GenerationEngine:
         return Chunk(text, tokens, reason, prompt, len(job.tokens) - prompt)
 
     def _deliver(self, job: _Job, chunk: Chunk) -> None:
+        if job.ended:
+            return
+        job.ended = chunk.finish_reason is not None
         if chunk.tokens and job.first_token_at is None:
             job.first_token_at = time.monotonic()
         if chunk.finish_reason is not None:
@@ -304,6 +342,9 @@ class GenerationEngine:
                 self.listener.finished(job.level, outcome, operation=job.request.operation,
                                        prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
                                        ttft_s=ttft, duration_s=time.monotonic() - job.arrived)  # fmt: skip
+            if self._finals is not None:
+                self._finals.append((job, chunk))
+                return
         self._post(job.stream._put, chunk)
 
     def _post(self, callback: Callable[..., object], *args: object) -> None:

@@ -45,4 +45,5 @@ def load_engine(name: str, folder: Path, settings: GenerationSettings, *, thread
     )  # fmt: skip
     log.info("generative model %s: %d KV blocks of %d tokens (%d bytes a token), context %d", name, blocks,
              settings.block_size, config.kv.bytes_per_token, config.context)  # fmt: skip
-    return GenerationEngine(name, runner, text, scheduler, context=config.context, eos=config.eos)
+    return GenerationEngine(name, runner, text, scheduler, context=config.context, eos=config.eos,
+                            version=folder.name)  # fmt: skip

@@ -203,8 +203,9 @@ class GenerationScheduler:
             if sequence.state == "waiting":
                 if len(self.running) >= self.config.max_num_seqs:
                     victim = self._victim(below=sequence.level)
-                    if victim is None:
-                        continue
+                    needed = self.blocks.blocks_for(sequence.tokens)
+                    if victim is None or self.blocks.free_blocks + len(self.blocks.blocks_of(victim)) < needed:
+                        continue  # nobody to preempt, or preempting would not make room: nobody loses a cache
                     self._preempt(victim)
                     preempted.append(victim)
                     if victim in decode:
@@ -244,8 +245,7 @@ class GenerationScheduler:
         sequence.state, sequence.prefilled = "waiting", 0
         sequence.preemptions += 1
         self.preemptions += 1
-        if sequence.boosted < self.config.max_boosts:
-            sequence.boosted += 1
+        sequence.boosted = int(sequence.preemptions <= self.config.max_boosts)  # bounded: then it queues as others
         self._levels[sequence.level - 1].queue.appendleft(sequence)
 
     def advance(self, plan: StepPlan, finished: set[Sequence] | frozenset[Sequence] = frozenset()) -> None:

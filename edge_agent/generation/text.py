@@ -17,9 +17,14 @@ _REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a character no
 
 
 class TextCodec:
-    def __init__(self, tokenizer: Any, chat_template: str | None, eos_token: str | None) -> None:
+    def __init__(self, tokenizer: Any, chat_template: str | None, eos_token: str | None,
+                 bos_token: str | None = None) -> None:  # fmt: skip
         self.tokenizer = tokenizer
+        self.eos_token, self.bos_token = eos_token, bos_token
         self.eos_id = None if eos_token is None else tokenizer.token_to_id(eos_token)
+        # Special-token strings a user's message may not smuggle in (a fake system or assistant turn).
+        self._specials = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special),
+                                key=lambda s: -len(s))  # fmt: skip
         self._template = None
         if chat_template is not None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment  # deferred: only chat models need it
@@ -43,14 +48,17 @@ class TextCodec:
                 config = json.loads(config_path.read_text())
             except (OSError, json.JSONDecodeError) as exc:
                 raise GenerationConfigError(f"{config_path}: cannot read it: {exc}") from None
-        eos = config.get("eos_token")
-        if isinstance(eos, dict):  # `{"content": "...", ...}`, as some models write it
-            eos = eos.get("content")
+
+        def token(key: str) -> str | None:
+            value = config.get(key)
+            if isinstance(value, dict):  # `{"content": "...", ...}`, as some models write it
+                value = value.get("content")
+            return value if isinstance(value, str) else None
+
         template = config.get("chat_template")
         try:
-            return cls(
-                tokenizer, template if isinstance(template, str) else None, eos if isinstance(eos, str) else None
-            )
+            return cls(tokenizer, template if isinstance(template, str) else None, token("eos_token"),
+                       token("bos_token"))  # fmt: skip
         except Exception as exc:  # a template that does not parse
             raise GenerationConfigError(f"{config_path}: the chat template does not parse: {exc}") from None
 
@@ -59,13 +67,39 @@ class TextCodec:
         return self._template is not None
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        """Tokens of `text`; ValueError for text a tokenizer cannot take (a lone surrogate)."""
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        except TypeError as exc:  # tokenizers refuses str values that are not valid Unicode
+            raise ValueError(f"the text cannot be tokenized: {exc}") from None
+
+    def without_specials(self, text: str) -> str:
+        """`text` with the model's special-token strings taken out, so that a message cannot open a turn."""
+        for special in self._specials:
+            text = text.replace(special, "")
+        return text
 
     def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The prompt the model was trained on for these messages, ending where the assistant's answer begins."""
+        """The prompt the model was trained on for these messages, ending where the assistant's answer begins.
+        Message contents lose any special-token string. ValueError when the template refuses the conversation (its
+        `raise_exception`, as Hugging Face templates call it) or fails on it."""
         if self._template is None:
             raise ValueError("this model has no chat template: use /v1/completions with a prompt")
-        return str(self._template.render(messages=list(messages), add_generation_prompt=True))
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"the chat template refuses these messages: {message}")
+
+        clean = [{**m, "content": self.without_specials(m["content"])} for m in messages]
+        try:
+            rendered = self._template.render(
+                messages=clean, add_generation_prompt=True, raise_exception=raise_exception,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            )  # fmt: skip
+            return str(rendered)
+        except ValueError:
+            raise
+        except Exception as exc:  # a template error on this input (an undefined name, a type error)
+            raise ValueError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
 
     def incremental(self) -> IncrementalText:
         return IncrementalText(self.tokenizer)

@@ -122,6 +122,8 @@ class OpenAIApi:
             except Refused as exc:
                 retry = exc.rejection.retry_after_s
                 raise ApiError(503, str(exc), code=exc.rejection.reason, retry_after_s=retry) from None
+            except ValueError as exc:  # the prompt and max_tokens beyond the context, or the KV budget
+                raise ApiError(400, str(exc), "max_tokens") from None
         except BodyTooLarge as exc:
             await _respond(send, 413, json.dumps({"error": str(exc)}).encode(), extra=[(_OUTCOME, b"rejected")])
             return
@@ -161,6 +163,7 @@ class OpenAIApi:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
+            generated.cancel()
 
     def _engine(self, name: Any) -> GenerationEngine:
         if not isinstance(name, str) or not name:
@@ -209,6 +212,7 @@ class OpenAIApi:
                 await self._whole(send, stream, ident, engine.name, chat)
         finally:
             watcher.cancel()
+            stream.cancel()  # a handler that ends early (its send failed) frees the sequence; no-op once it ended
 
     def _prompt(self, engine: GenerationEngine, body: dict[str, Any], chat: bool) -> list[int]:
         if chat:
@@ -232,7 +236,10 @@ class OpenAIApi:
                 clean.append({"role": role, "content": content})
             if not engine.text.chat:
                 raise ApiError(400, f"the model '{engine.name}' has no chat template: use /v1/completions", "model")
-            text = engine.text.chat_prompt(clean)
+            try:
+                text = engine.text.chat_prompt(clean)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), "messages") from None
         else:
             given = body.get("prompt")
             if isinstance(given, list) and len(given) == 1 and isinstance(given[0], str):
@@ -243,7 +250,10 @@ class OpenAIApi:
         if len(text) > engine.context * 8:  # far beyond the context whatever the tokenizer: refused before encoding
             raise ApiError(400, f"the prompt is longer than the model's {engine.context}-token context", "prompt",
                            "context_length_exceeded")  # fmt: skip
-        tokens = engine.text.encode(text)
+        try:
+            tokens = engine.text.encode(text)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "messages" if chat else "prompt") from None
         if len(tokens) >= engine.context:
             raise ApiError(400, f"the prompt has {len(tokens)} tokens; the model's context is {engine.context}",
                            "messages" if chat else "prompt", "context_length_exceeded")  # fmt: skip
@@ -274,7 +284,7 @@ class OpenAIApi:
         priority = body.get("priority", 0)
         header = headers.get(b"spillway-priority")
         if header is not None:
-            priority = int(header) if header.isdigit() else -1
+            priority = int(header) if header.isdigit() and len(header) <= 6 else -1
         if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
             raise ApiError(400, f"'priority' must be a non-negative integer (1 the highest), got {priority!r}",
                            "priority")  # fmt: skip
@@ -299,8 +309,13 @@ class OpenAIApi:
         body = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model, "choices": [choice], "usage": _usage(last),
                 "spillway": {"outcome": _outcome(last), "finish_reason": last.finish_reason}}  # fmt: skip
-        status = 500 if last.finish_reason == "error" else 200
-        await _respond(send, status, json.dumps(body).encode(), extra=[(_OUTCOME, _outcome(last).encode())])
+        if last.finish_reason == "error":
+            error = ApiError(
+                500, "the model run failed; see the agent log", code="inference_failed", kind="server_error"
+            )
+            await _respond(send, 500, error.body(), extra=[(_OUTCOME, b"error")])
+            return
+        await _respond(send, 200, json.dumps(body).encode(), extra=[(_OUTCOME, _outcome(last).encode())])
 
     async def _stream(self, send: Send, stream: Stream, ident: str, model: str, chat: bool, usage: bool) -> None:
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (_OUTCOME, b"local")]
@@ -316,6 +331,11 @@ class OpenAIApi:
         last: Chunk | None = None
         async for chunk in stream:
             last = chunk
+            if chunk.finish_reason == "error":  # the openai package raises this as an APIError
+                error = ApiError(500, "the model run failed; see the agent log", code="inference_failed",
+                                 kind="server_error")  # fmt: skip
+                await event(json.loads(error.body()))
+                break
             reason = _finish(chunk) if chunk.finish_reason is not None else None
             if not chunk.text and reason is None and not first:
                 continue

@@ -57,7 +57,7 @@ class LiveTelemetry:
 
         telemetry.watch_queue(depths)
         for name, engine in self.engines.items():
-            engine.listener = telemetry.generation(name)
+            engine.listener = telemetry.generation(name, engine.version)
         telemetry.watch_engines(lambda: [(name, engine.json()) for name, engine in self.engines.items()])
         if self._policy is not None:
             telemetry.watch_policy(self._policy)

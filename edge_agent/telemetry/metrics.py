@@ -138,8 +138,8 @@ class AgentTelemetry:
 
         return observe
 
-    def generation(self, model: str) -> GenerationRecorder:
-        return GenerationRecorder(self, model)
+    def generation(self, model: str, version: str = "1") -> GenerationRecorder:
+        return GenerationRecorder(self, model, version)
 
     def recorder(self, model: str, version: int) -> ModelRecorder:
         return ModelRecorder(self, model, str(version))
@@ -211,12 +211,12 @@ class GenerationRecorder:
     """One generative model's hooks: the GenAI histograms and `spillway.requests`, called from its engine thread
     (the SDK's instruments are thread-safe)."""
 
-    def __init__(self, telemetry: AgentTelemetry, model: str) -> None:
+    def __init__(self, telemetry: AgentTelemetry, model: str, version: str) -> None:
         self.telemetry = telemetry
-        self.model = model
+        self.model, self.version = model, version
 
     def outcome(self, priority: int, outcome: str) -> None:
-        self.telemetry.requests.add(1, {names.ATTR_MODEL: self.model, names.ATTR_VERSION: "1",
+        self.telemetry.requests.add(1, {names.ATTR_MODEL: self.model, names.ATTR_VERSION: self.version,
                                         names.ATTR_PRIORITY: priority, names.ATTR_OUTCOME: outcome})  # fmt: skip
 
     def finished(self, priority: int, outcome: str, *, operation: str, prompt_tokens: int, completion_tokens: int,
