@@ -80,13 +80,9 @@ class Stream:
         self._engine = engine
         self._loop = loop
         self._queue: asyncio.Queue[Chunk] = asyncio.Queue()
-        self.first_token_at: float | None = None
-        self.arrived = time.monotonic()
         self.job: _Job | None = None
 
     def _put(self, chunk: Chunk) -> None:  # on the event loop
-        if self.first_token_at is None and chunk.tokens:
-            self.first_token_at = time.monotonic()
         self._queue.put_nowait(chunk)
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:

@@ -107,18 +107,27 @@ class TextCodec:
 
 class IncrementalText:
     """One sequence's output text, a token at a time. `push` returns the text the token completes (often one
-    character, sometimes nothing: the first bytes of a character, or a special token)."""
+    character, sometimes nothing: the first bytes of a character, or a special token).
+
+    Each push decodes a short window, not the whole output (vLLM's prefix/read offsets): the tokens since the last
+    text that came out whole, decoded with the one piece before them so that a decoder that strips a leading space
+    (SentencePiece) sees what came before."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self.tokens: list[int] = []
         self.text = ""
+        self._prefix = 0  # the window starts here
+        self._read = 0  # tokens before this are in `text`
 
     def push(self, token: int) -> str:
         self.tokens.append(token)
-        decoded = self._tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if decoded.endswith(_REPLACEMENT):  # a character not complete yet: wait for its other bytes
+        decode = self._tokenizer.decode
+        before = decode(self.tokens[self._prefix : self._read], skip_special_tokens=True)
+        decoded = decode(self.tokens[self._prefix :], skip_special_tokens=True)
+        if len(decoded) <= len(before) or decoded.endswith(_REPLACEMENT):  # nothing yet, or a character not whole
             return ""
-        new = decoded[len(self.text) :]
-        self.text = decoded
+        new = decoded[len(before) :]
+        self.text += new
+        self._prefix, self._read = self._read, len(self.tokens)
         return new

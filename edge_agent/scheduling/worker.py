@@ -127,9 +127,10 @@ class ModelWorker:
         return await self.result(future, outcome)
 
     @staticmethod
-    async def result(future: asyncio.Future[Served], outcome: RequestOutcome) -> Served:
+    async def result(future: asyncio.Future[Served], outcome: RequestOutcome, *, record_local: bool = True) -> Served:
         """Wait for an admitted request's result and count it in `outcome`: `local`, `error`, or `rejected` when it
-        timed out in the queue."""
+        timed out in the queue. record_local=False: a result is the caller's to count (once its answer is encoded:
+        an answer that fails to encode is an `error`)."""
         try:
             served = await future
         except Refused as exc:
@@ -138,7 +139,8 @@ class ModelWorker:
         except ExecutionFailed as exc:
             outcome.ran(ERROR, exc.queue_s, exc.compute_s, exc.total_s)
             raise
-        outcome.ran(LOCAL, served.queue_s, served.compute_s, served.total_s)
+        if record_local:
+            outcome.ran(LOCAL, served.queue_s, served.compute_s, served.total_s)
         return served
 
     def admit(

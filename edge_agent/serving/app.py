@@ -229,10 +229,7 @@ class InferenceApp:
 
     async def _generate(self, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
         """Triton's generate extension, for the generative models (openai_api.py)."""
-        parts = path.strip("/").split("/")
-        name, version, rest = (
-            _model_path(parts[2:]) if len(parts) >= 4 and parts[:2] == ["v2", "models"] else ("", None, [])
-        )
+        name, version, rest = _model_action(path)
         if rest not in (["generate"], ["generate_stream"]):
             await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
         elif self.openai is None or name not in self.openai.engines:
@@ -243,10 +240,7 @@ class InferenceApp:
     # ---- inference: the pipeline (pipeline.py) ------------------------------------------------------------------
 
     async def _infer(self, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
-        parts = path.strip("/").split("/")
-        name, version, rest = (
-            _model_path(parts[2:]) if len(parts) >= 4 and parts[:2] == ["v2", "models"] else ("", None, [])
-        )
+        name, version, rest = _model_action(path)
         if rest != ["infer"]:
             await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
             return
@@ -257,6 +251,12 @@ class InferenceApp:
             await reject(send, 404, str(exc), "unknown_model")
             return
         await self.pipeline.handle(path, requested, name, version, headers, receive, send)
+
+
+def _model_action(path: str) -> tuple[str, str | None, list[str]]:
+    """`/v2/models/m[/versions/v]/<action>` -> (m, v, [action, ...]); ("", None, []) for any other path."""
+    parts = path.strip("/").split("/")
+    return _model_path(parts[2:]) if len(parts) >= 4 and parts[:2] == ["v2", "models"] else ("", None, [])
 
 
 def _model_path(parts: list[str]) -> tuple[str, str | None, list[str]]:

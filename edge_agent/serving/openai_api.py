@@ -21,6 +21,7 @@ from typing import Any
 from edge_agent.generation.engine import Chunk, GenerationEngine, GenerationRequest, Stream
 from edge_agent.generation.sampling import SamplingParams
 from edge_agent.scheduling.worker import Refused
+from edge_agent.serving.pipeline import respond as _respond
 from spillway.contract import names
 from spillway.contract.v2 import BodyTooLarge, ClientGone, read_body
 
@@ -381,9 +382,3 @@ async def _watch_disconnect(receive: Receive, stream: Stream) -> None:
         if message["type"] == "http.disconnect":
             stream.cancel()
             return
-
-
-async def _respond(send: Send, status: int, body: bytes, *, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

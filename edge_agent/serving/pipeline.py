@@ -144,7 +144,9 @@ class InferencePipeline:
         request = await self._decode(path, name, version, requested, headers, receive, send)
         if request is None:
             return
-        verdict = admission.on_arrival(self._plan(request), request.outcome.level, self._overflow_draw(request))
+        plan = self._plan(request)
+        draw = self._draw() if plan is not None and plan.overflow is not None and plan.overflow.fraction else 1.0
+        verdict = admission.on_arrival(plan, request.outcome.level, draw)
         future = None
         if verdict.action == "serve":
             try:
@@ -211,23 +213,17 @@ class InferencePipeline:
     def _plan(self, request: Request) -> ModelPlan | None:
         return self.policy.plan_for(request.model.config.name) if self.policy is not None else None
 
-    def _overflow_draw(self, request: Request) -> float:
-        plan = self._plan(request)
-        return self._draw() if plan is not None and plan.overflow is not None and plan.overflow.fraction else 1.0
-
     # ---- 3a. serve here -------------------------------------------------------------------------------------------
 
     async def _serve(self, send: Send, request: Request, future: asyncio.Future[Served]) -> None:
         outcome = request.outcome
         try:
-            served = await future
-        except Refused as exc:  # timed out in the queue
-            outcome.ran(names.REJECTED, exc.waited_s, 0.0, exc.waited_s)
+            served = await ModelWorker.result(future, outcome, record_local=False)
+        except Refused as exc:  # timed out in the queue (counted by `result`)
             await self._refuse(send, None, 503, str(exc), exc.rejection.reason,
                                retry_after_s=exc.rejection.retry_after_s, extra=request.extra)  # fmt: skip
             return
-        except ExecutionFailed as exc:
-            outcome.ran(names.ERROR, exc.queue_s, exc.compute_s, exc.total_s)
+        except ExecutionFailed as exc:  # counted by `result`
             await respond(send, 500, _error_body(str(exc), names.ERROR),
                            extra=[(_H_OUTCOME, b"error"), *request.extra])  # fmt: skip
             return

@@ -25,10 +25,15 @@ class PriorityReport:
     latencies_ms: list[float] = field(default_factory=list)  # of requests served (outcome `local`)
 
     def percentile(self, q: float) -> float | None:
-        if not self.latencies_ms:
-            return None
-        ordered = sorted(self.latencies_ms)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return nearest_rank(self.latencies_ms, q)
+
+
+def nearest_rank(values: list[float], q: float) -> float | None:
+    """The q-quantile (0 <= q <= 1) of `values`, one of them (no interpolation); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _body(priority: int, timeout_us: int | None, rng: random.Random, width: int) -> bytes:

@@ -9,6 +9,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from spillway.demo.burst import nearest_rank
+
 __all__ = ["GenerativeReport", "format_generative", "run_generative_burst"]
 
 MIX = {1: 0.2, 2: 0.5, 3: 0.3}  # priority level -> share of the streams
@@ -21,13 +23,6 @@ class GenerativeReport:
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     tokens: int = 0
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 Reports = dict[int, GenerativeReport]
@@ -88,8 +83,8 @@ def format_generative(reports: dict[int, GenerativeReport], wall_s: float) -> st
     for priority, r in sorted(reports.items()):
         count = sum(r.outcomes.values())
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(r.outcomes.items())) or "-"
-        ttft = f"{ms(_percentile(r.ttft_s, 0.5))}/{ms(_percentile(r.ttft_s, 0.99))}"
-        lines.append(f"  {priority:>8}  {count:>7}  {outcomes:<20}  {ttft:>15}  {ms(_percentile(r.tpot_s, 0.5)):>11}"
+        ttft = f"{ms(nearest_rank(r.ttft_s, 0.5))}/{ms(nearest_rank(r.ttft_s, 0.99))}"
+        lines.append(f"  {priority:>8}  {count:>7}  {outcomes:<20}  {ttft:>15}  {ms(nearest_rank(r.tpot_s, 0.5)):>11}"
                      f"  {r.tokens:>13}")  # fmt: skip
     total = sum(r.tokens for r in reports.values())
     lines.append(f"  {total} output tokens in {wall_s:.1f} s: {total / max(wall_s, 1e-9):.0f} tokens/s")

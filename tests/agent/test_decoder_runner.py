@@ -12,6 +12,7 @@ import pytest
 
 from edge_agent.generation.runner import DecoderConfig, DecoderRunner, GenerationConfigError
 from spillway.demo.tiny_lm import TINY, build_tiny_lm_version
+from tests.agent.lm_support import greedy_alone
 
 
 @pytest.fixture(scope="module")
@@ -20,23 +21,12 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> DecoderRunner:
     return DecoderRunner(DecoderConfig.load(folder))
 
 
-def _alone(runner: DecoderRunner, prompt: list[int], steps: int) -> list[int]:
-    key = ("alone", tuple(prompt))
-    token = int(runner.prefill(key, prompt).argmax())
-    out = [token]
-    for _ in range(steps - 1):
-        token = int(runner.decode([key], [token])[0].argmax())
-        out.append(token)
-    runner.release(key)
-    return out
-
-
 def test_sequences_joining_mid_flight_decode_what_each_decodes_alone(runner: DecoderRunner) -> None:
     rng = np.random.default_rng(5)
     prompts = {name: rng.integers(0, 256, size=n).tolist() for name, n in (("a", 4), ("b", 19), ("c", 9), ("d", 1))}
     joins = {"a": 0, "b": 2, "c": 2, "d": 5}  # the step at which each arrives
     steps = 8
-    expected = {name: _alone(runner, prompt, steps) for name, prompt in prompts.items()}
+    expected = {name: greedy_alone(runner, prompt, steps) for name, prompt in prompts.items()}
 
     produced: dict[str, list[int]] = {name: [] for name in prompts}
     running: list[str] = []
@@ -61,7 +51,7 @@ def test_sequences_joining_mid_flight_decode_what_each_decodes_alone(runner: Dec
 
 def test_a_preempted_sequence_recomputed_goes_on_as_before(runner: DecoderRunner) -> None:
     prompt = list(range(40, 52))
-    expected = _alone(runner, prompt, 10)
+    expected = greedy_alone(runner, prompt, 10)
     produced = [int(runner.prefill("p", prompt).argmax())]
     for _ in range(4):
         produced.append(int(runner.decode(["p"], [produced[-1]])[0].argmax()))

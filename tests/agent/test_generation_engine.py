@@ -16,6 +16,7 @@ from edge_agent.generation.scheduler import GenerationConfig, GenerationSchedule
 from edge_agent.generation.text import TextCodec
 from edge_agent.scheduling.worker import Refused
 from spillway.demo.tiny_lm import TINY, build_tiny_lm_version
+from tests.agent.lm_support import greedy_alone
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +40,6 @@ async def _collect(stream: Stream) -> list[Chunk]:
     return [chunk async for chunk in stream]
 
 
-def _greedy_alone(folder: Path, prompt: list[int], steps: int) -> list[int]:
-    runner = DecoderRunner(DecoderConfig.load(folder))
-    token = int(runner.prefill(0, prompt).argmax())
-    out = [token]
-    while len(out) < steps:
-        token = int(runner.decode([0], [token])[0].argmax())
-        out.append(token)
-    return out
-
-
 def test_concurrent_streams_each_get_what_they_get_alone(engine: GenerationEngine, folder: Path) -> None:
     prompts = [engine.text.encode(p) for p in ("Hello", "The quick brown fox", "1 2 3", "a much longer prompt " * 3)]
 
@@ -60,7 +51,7 @@ def test_concurrent_streams_each_get_what_they_get_alone(engine: GenerationEngin
     for prompt, chunks in zip(prompts, results, strict=True):
         assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
         last = chunks[-1]
-        expected = _greedy_alone(folder, prompt, 10)
+        expected = greedy_alone(DecoderRunner(DecoderConfig.load(folder)), prompt, 10)
         if engine.eos in expected:  # it ended early, on EOS
             expected = expected[: expected.index(engine.eos) + 1]
             assert last.finish_reason == "stop"
@@ -75,7 +66,9 @@ def test_concurrent_streams_each_get_what_they_get_alone(engine: GenerationEngin
 
 def test_a_stop_string_ends_the_stream_before_it(engine: GenerationEngine, folder: Path) -> None:
     prompt = engine.text.encode("stop here")
-    full = engine.text.tokenizer.decode(_greedy_alone(folder, prompt, 12), skip_special_tokens=True)
+    full = engine.text.tokenizer.decode(
+        greedy_alone(DecoderRunner(DecoderConfig.load(folder)), prompt, 12), skip_special_tokens=True
+    )
     stop = full[3:5]  # two characters the model writes
     assert stop
 

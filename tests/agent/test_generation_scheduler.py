@@ -10,6 +10,7 @@ import pytest
 from edge_agent.generation import BlockManager, DecoderConfig, DecoderRunner
 from edge_agent.generation.scheduler import GenerationConfig, GenerationScheduler, Rates, Sequence, StepPlan
 from spillway.demo.tiny_lm import TINY, build_tiny_lm_version
+from tests.agent.lm_support import greedy_alone
 
 CONTEXT = 512
 
@@ -113,16 +114,6 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> DecoderRunner:
     return DecoderRunner(DecoderConfig.load(build_tiny_lm_version(tmp_path_factory.mktemp("lm"), 1, TINY)))
 
 
-def _greedy_alone(runner: DecoderRunner, prompt: list[int], steps: int) -> list[int]:
-    token = int(runner.prefill("alone", prompt).argmax())
-    out = [token]
-    while len(out) < steps:
-        token = int(runner.decode(["alone"], [token])[0].argmax())
-        out.append(token)
-    runner.release("alone")
-    return out
-
-
 def _engine_step(s: GenerationScheduler, runner: DecoderRunner, plan: StepPlan) -> None:
     """What the engine thread does with a plan: drop preempted caches, run chunks and the decode batch."""
     for sequence in plan.preempted:
@@ -147,7 +138,7 @@ def test_preemption_and_recompute_leave_greedy_output_unchanged(runner: DecoderR
     rng = np.random.default_rng(21)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 23, 11, 17, 2, 30)]
     steps = 12
-    expected = [_greedy_alone(runner, p, steps) for p in prompts]
+    expected = [greedy_alone(runner, p, steps) for p in prompts]
     # Few blocks, so that sequences growing past their blocks preempt each other, and a small budget and
     # threshold, so that prompts are prefilled in chunks beside running decodes.
     s = _scheduler(blocks=9, block_size=8, max_num_seqs=4, max_num_batched_tokens=16, long_prefill_threshold=8)
