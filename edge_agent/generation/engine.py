@@ -45,6 +45,7 @@ class GenerationRequest:
     priority: int = 0  # 0: the model's default level
     timeout_s: float | None = None  # to the first token
     operation: str = "text_completion"  # gen_ai.operation.name: text_completion or chat
+    ignore_eos: bool = False  # generate to max_tokens past EOS (vLLM's extra parameter; benchmarks use it)
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,17 @@ class Stream:
 
 @dataclass
 class _Timing:
+    """Where the engine thread's time goes: whole steps (planning, the model, sampling, text, handing chunks over)
+    and, of that, the model's own session calls; the rest is the scheduler's overhead."""
+
     steps: int = 0
     step_s: float = 0.0
+    model_s: float = 0.0
+
+    def json(self) -> dict[str, float | int]:
+        overhead = self.step_s - self.model_s
+        return {"steps": self.steps, "step_s": round(self.step_s, 6), "model_s": round(self.model_s, 6),
+                "overhead_share": round(overhead / self.step_s, 4) if self.step_s > 0 else 0.0}  # fmt: skip
 
 
 class GenerationListener(Protocol):
@@ -217,6 +227,7 @@ class GenerationEngine:
                 self._jobs.clear()
 
     def _step(self) -> None:
+        started, model_before = time.perf_counter(), self.runner.run_s
         with self._lock:
             self._end_cancelled()
             plan = self.scheduler.step()
@@ -234,6 +245,9 @@ class GenerationEngine:
             finals, self._finals = self._finals, None
             for job, chunk in finals:
                 self._post(job.stream._put, chunk)
+            self.timing.steps += 1
+            self.timing.step_s += time.perf_counter() - started
+            self.timing.model_s += self.runner.run_s - model_before
 
     def _run_and_settle(self, plan: StepPlan) -> None:
         try:
@@ -284,8 +298,6 @@ class GenerationEngine:
         self.scheduler.rates.observe(prefill_tokens, 0, prefill_s)
         if plan.decode:
             self.scheduler.rates.observe(0, len(plan.decode), elapsed - prefill_s)
-        self.timing.steps += 1
-        self.timing.step_s += elapsed
         finished: dict[Sequence, FinishReason] = {}
         for sequence, token in new_tokens.items():
             reason = self._append(sequence, token)
@@ -297,7 +309,7 @@ class GenerationEngine:
         job: _Job = sequence.payload
         job.tokens.append(token)
         generated = len(job.tokens) - sequence.prompt
-        if token == self.eos:
+        if token == self.eos and not job.request.ignore_eos:
             self._deliver(job, self._chunk(job, job.text.text[job.sent :], 1, "stop"))
             return "stop"
         job.text.push(token)
@@ -353,4 +365,4 @@ class GenerationEngine:
         with self._lock:
             return {"running": len(self.scheduler.running), "waiting": self.scheduler.waiting,
                     "kv_blocks": self.scheduler.blocks.json(), "preemptions": self.scheduler.preemptions,
-                    "steps": self.timing.steps, **self.counts}  # fmt: skip
+                    "steps": self.timing.steps, "timing": self.timing.json(), **self.counts}  # fmt: skip

@@ -17,6 +17,7 @@ without changing this interface. Not thread-safe: one engine thread owns a runne
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,7 @@ class DecoderRunner:
         self.caches: dict[Any, SequenceCache] = {}
         empty = np.zeros((1, config.kv_heads, 0, config.head_size), np.float32)
         self._empty = empty
+        self.run_s = 0.0  # seconds in session.run, all calls: the model's share of a step
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, past: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
         c = self.config
@@ -137,7 +139,11 @@ class DecoderRunner:
                                        c.names["position_ids"]: positions}  # fmt: skip
         for i, (k, v) in enumerate(past):
             feed[c.past_key % i], feed[c.past_value % i] = k, v
-        return dict(zip(self._outputs, self.session.run(self._outputs, feed), strict=True))
+        started = time.perf_counter()
+        try:
+            return dict(zip(self._outputs, self.session.run(self._outputs, feed), strict=True))
+        finally:
+            self.run_s += time.perf_counter() - started
 
     def _presents(self, found: dict[str, Any]) -> list[tuple[np.ndarray, np.ndarray]]:
         c = self.config
