@@ -94,14 +94,15 @@ class InferenceApp:
         path: str = scope["path"]
         headers = dict(scope["headers"])
         if self.token is not None and path not in _UNAUTHENTICATED and not self._authorised(headers):
-            await _respond(send, 401, encode_error("missing or invalid bearer token"),
-                           extra=[(b"www-authenticate", b"Bearer")])  # fmt: skip
+            message = "missing or invalid bearer token"
+            body = _openai_error(message, "invalid_api_key") if path.startswith("/v1/") else encode_error(message)
+            await _respond(send, 401, body, extra=[(b"www-authenticate", b"Bearer")])
             return
         method: str = scope["method"]
         try:
             if path.startswith("/v1/"):
                 if self.openai is None:
-                    await _respond(send, 404, encode_error("this agent serves no generative model"))
+                    await _respond(send, 404, _openai_error("this agent serves no generative model", "model_not_found"))
                 else:
                     await self.openai.handle(method, path, headers, receive, send)
             elif method == "POST" and path.endswith(("/generate", "/generate_stream")):
@@ -272,6 +273,13 @@ def _version_number(name: str, version: str) -> int:
         return int(version)
     except ValueError:
         raise UnknownModelError(f"unknown version '{version}' of model '{name}'") from None
+
+
+def _openai_error(message: str, code: str) -> bytes:
+    """OpenAI's error body, for `/v1/...` (openai_api.py answers the rest of them): OpenAI answers a bad key 401
+    `invalid_request_error`/`invalid_api_key` and an unknown model 404 `model_not_found`."""
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    return json.dumps({"error": error}).encode()
 
 
 async def _respond_json(send: Send, status: int, body: dict[str, Any]) -> None:

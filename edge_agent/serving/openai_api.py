@@ -7,12 +7,18 @@ field named in `param`), 404 for a model that is not served, 413 for a body over
 full and 503 when the device cannot give the first token in time or drains, with Retry-After. Spillway's outcome is
 in the `spillway-outcome` header. A client that disconnects mid-stream cancels its sequence: its KV blocks are free
 at the next step.
+
+Fields the agent does not implement (tools, JSON mode, logprobs, penalties, logit_bias, n or best_of above 1, echo,
+suffix, vLLM's guided decoding...) are refused with a value that would use them: 400, `code: unsupported_parameter`,
+the field in `param`, as OpenAI refuses a parameter a model lacks. vLLM's extra `ignore_eos` is honoured (benchmarks
+need exact output lengths; the `openai` package sends it through `extra_body`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -27,11 +33,44 @@ from spillway.contract.v2 import BodyTooLarge, ClientGone, read_body
 
 __all__ = ["OpenAIApi"]
 
+log = logging.getLogger("spillway.agent")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 _OUTCOME = names.H_OUTCOME.encode()
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 MAX_STOPS = 4
+
+# Fields the agent does not implement, each with the values that leave it unused (what clients send by default);
+# any other value is refused, never ignored: an answer without the tool call, JSON or logprobs asked for would
+# mislead the client. vLLM implements most of them; OpenAI refuses one a model lacks in the same shape.
+_UNUSED: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "min_tokens": (None, 0), "min_p": (None, 0), "prompt_logprobs": (None,), "use_beam_search": (None, False),
+    "length_penalty": (None, 1), "stop_token_ids": (None, []), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "include_stop_str_in_output": (None, False), "logits_processors": (None, []), "structured_outputs": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+}  # fmt: skip
+_UNUSED_COMPLETION: dict[str, tuple[Any, ...]] = {**_UNUSED, "suffix": (None, ""), "logprobs": (None,)}
+_UNUSED_CHAT: dict[str, tuple[Any, ...]] = {
+    **_UNUSED, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
+    "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]), "audio": (None,),
+    "web_search_options": (None,), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "continue_final_message": (None, False), "add_generation_prompt": (None, True),
+}  # fmt: skip
+_WHY = {"logprobs": "log probabilities are not computed", "top_logprobs": "log probabilities are not computed",
+        "prompt_logprobs": "log probabilities are not computed", "tools": "tool calling is not supported",
+        "functions": "tool calling is not supported", "tool_choice": "tool calling is not supported",
+        "function_call": "tool calling is not supported",
+        "response_format": "structured output (JSON mode) is not supported"}  # fmt: skip
+# Read here, or accepted with no effect on the output (tags, caching hints, tool options without tools).
+_KNOWN = frozenset({
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+    "stop", "stream", "stream_options", "priority", "timeout", "ignore_eos", "user", "metadata", "store",
+    "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
+})  # fmt: skip
+_WARNED_AT_MOST = 256  # distinct unknown field names logged, so a client cannot fill the log with made-up ones
 
 
 class ApiError(Exception):
@@ -56,6 +95,17 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
     return float(value)
 
 
+def _refuse_unused(body: dict[str, Any], chat: bool) -> list[str]:
+    """Refuse a field the agent does not implement given a value that uses it; return the unknown field names."""
+    unused = _UNUSED_CHAT if chat else _UNUSED_COMPLETION
+    for name, value in body.items():
+        if name in unused and value not in unused[name]:  # by ==: 0.0, 0 and False all leave a penalty unused
+            why = _WHY.get(name, "this server does not implement it")
+            raise ApiError(400, f"Unsupported parameter: '{name}' ({why}); got {json.dumps(value)[:60]}", name,
+                           "unsupported_parameter")  # fmt: skip
+    return sorted(name for name in body if name not in unused and name not in _KNOWN)
+
+
 def _integer(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
     value = body.get(name)
     if value is None:
@@ -71,6 +121,7 @@ class OpenAIApi:
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
+        self.warned: set[str] = set()  # unknown field names already logged
 
     async def handle(self, method: str, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
         try:
@@ -114,6 +165,7 @@ class OpenAIApi:
                 raise ApiError(400, "'text_input' must be a non-empty string", "text_input")
             fields = {**parameters, "model": name, "prompt": text}
             try:
+                self._check_fields(fields, False)
                 request = self._request(engine, fields, self._prompt(engine, fields, False), False, headers)
             except ApiError:
                 engine.refused()
@@ -188,6 +240,9 @@ class OpenAIApi:
             raise ApiError(400, "the body must be a JSON object")
         engine = self._engine(body.get("model"))
         try:
+            self._check_fields(body, chat)
+            if body.get("stream") is not None and not isinstance(body["stream"], bool):
+                raise ApiError(400, f"'stream' must be true or false, got {str(body['stream'])[:60]!r}", "stream")
             prompt = self._prompt(engine, body, chat)
             request = self._request(engine, body, prompt, chat, headers)
         except ApiError:
@@ -214,6 +269,17 @@ class OpenAIApi:
         finally:
             watcher.cancel()
             stream.cancel()  # a handler that ends early (its send failed) frees the sequence; no-op once it ended
+
+    def _check_fields(self, body: dict[str, Any], chat: bool) -> None:
+        """Refuse the fields the agent does not implement; log the unknown ones and go on."""
+        unknown = _refuse_unused(body, chat)
+        # Unknown fields are ignored with a warning, as vLLM does (`OpenAIBaseModel.__log_extra_fields__`, extra
+        # "allow"): clients add vendor and newer fields freely, and refusing them would break clients that work
+        # with vLLM. Each name is logged once, so a client sending one on every request does not flood the log.
+        new = [name[:40] for name in unknown if name[:40] not in self.warned]
+        if new and len(self.warned) < _WARNED_AT_MOST:
+            self.warned.update(new)
+            log.warning("OpenAI request fields ignored (not known to this server): %s", ", ".join(map(repr, new)))
 
     def _prompt(self, engine: GenerationEngine, body: dict[str, Any], chat: bool) -> list[int]:
         if chat:
@@ -270,8 +336,6 @@ class OpenAIApi:
         if max_tokens > room:
             raise ApiError(400, f"'{name}' {max_tokens} and the prompt's {len(prompt)} tokens exceed the model's "
                            f"{engine.context}-token context", name, "context_length_exceeded")  # fmt: skip
-        if _integer(body, "n", 1, 1, 1) != 1:
-            raise ApiError(400, "'n' must be 1", "n")
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
         if top_p == 0:
@@ -290,9 +354,12 @@ class OpenAIApi:
             raise ApiError(400, f"'priority' must be a non-negative integer (1 the highest), got {priority!r}",
                            "priority")  # fmt: skip
         timeout = _integer(body, "timeout", None, 0, 1 << 40)  # microseconds to the first token, as on V2
+        ignore_eos = body.get("ignore_eos")
+        if ignore_eos is not None and not isinstance(ignore_eos, bool):
+            raise ApiError(400, f"'ignore_eos' must be true or false, got {str(ignore_eos)[:60]!r}", "ignore_eos")
         return GenerationRequest(
             prompt=prompt, max_tokens=max_tokens, stop=tuple(stops), priority=priority,
-            operation="chat" if chat else "text_completion",
+            operation="chat" if chat else "text_completion", ignore_eos=ignore_eos is True,
             sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k or 0,
                                     seed=None if seed is None else seed % (1 << 63)),
             timeout_s=None if not timeout else timeout / 1e6,
