@@ -68,7 +68,7 @@ class AsyncJobSettings(BaseModel):
 
 
 class GenerationSettings(BaseModel):
-    """How the agent serves generative models (a model directory whose versions hold `genai_config.json`)."""
+    """How the agent serves generative models; a model's config (`parameters`, `dynamic_batching`) overrides them."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -81,6 +81,10 @@ class GenerationSettings(BaseModel):
     levels: int = Field(default=3, ge=1, le=16, description="priority levels (1 the highest)")
     default_level: int = Field(default=2, ge=1, description="the level of a request without a priority")
     default_max_tokens: int = Field(default=256, ge=1, description="max_tokens of a chat request without one")
+    queue_policy: Literal["priority", "fcfs", "shortest_prompt_first"] = Field(
+        default="priority", description="order of waiting requests: by level, by arrival, or shortest prompt first"
+    )
+    aging_s: float | None = Field(default=None, gt=0, description="a request waiting this long goes first")
 
     @model_validator(mode="after")
     def _levels_fit(self) -> GenerationSettings:

@@ -120,20 +120,25 @@ class GenerationListener(Protocol):
 
     def outcome(self, priority: int, outcome: str) -> None: ...
 
+    def step(self, tokens: int) -> None: ...
+
     def finished(self, priority: int, outcome: str, *, operation: str, prompt_tokens: int, completion_tokens: int,
                  ttft_s: float | None, duration_s: float) -> None: ...  # fmt: skip
 
 
 class GenerationEngine:
     def __init__(self, name: str, runner: DecoderRunner, text: TextCodec, scheduler: GenerationScheduler, *,
-                 context: int, eos: int | None = None, version: str = "1") -> None:  # fmt: skip
+                 context: int, eos: int | tuple[int, ...] | None = None, version: str = "1") -> None:  # fmt: skip
         self.name = name
         self.version = version
         self.runner = runner
         self.text = text
         self.scheduler = scheduler
         self.context = context
-        self.eos = eos if eos is not None else text.eos_id
+        if eos is None:
+            eos = () if text.eos_id is None else text.eos_id
+        self.eos_ids = (eos,) if isinstance(eos, int) else tuple(eos)  # any of them ends a sequence
+        self.eos = self.eos_ids[0] if self.eos_ids else None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -161,7 +166,7 @@ class GenerationEngine:
         stream = Stream(self, loop)
         level = self.scheduler.resolve_level(request.priority)
         now = time.monotonic()
-        deadline = None if request.timeout_s is None else now + request.timeout_s
+        deadline = self.scheduler.deadline_for(level, now, request.timeout_s)
         job = _Job(request, stream, Sampler(request.sampling), self.text.incremental(), list(request.prompt),
                    level=level, arrived=now)  # fmt: skip
         sequence = Sequence(prompt=len(request.prompt), max_tokens=request.max_tokens, level=level, arrival=now,
@@ -230,7 +235,7 @@ class GenerationEngine:
         started, model_before = time.perf_counter(), self.runner.run_s
         with self._lock:
             self._end_cancelled()
-            plan = self.scheduler.step()
+            plan = self.scheduler.step(time.monotonic())
             for sequence in plan.preempted:  # a recompute starts from its tokens: its cache goes now
                 self.runner.release(sequence.id)
             idle = self.scheduler.idle
@@ -242,12 +247,14 @@ class GenerationEngine:
         try:
             self._run_and_settle(plan)
         finally:  # a stream ends once its blocks are free: its client sees the pool as it is
+            self.timing.steps += 1
+            self.timing.model_s += self.runner.run_s - model_before
+            if self.listener is not None:
+                self.listener.step(plan.tokens)
             finals, self._finals = self._finals, None
             for job, chunk in finals:
                 self._post(job.stream._put, chunk)
-            self.timing.steps += 1
             self.timing.step_s += time.perf_counter() - started
-            self.timing.model_s += self.runner.run_s - model_before
 
     def _run_and_settle(self, plan: StepPlan) -> None:
         try:
@@ -309,7 +316,7 @@ class GenerationEngine:
         job: _Job = sequence.payload
         job.tokens.append(token)
         generated = len(job.tokens) - sequence.prompt
-        if token == self.eos and not job.request.ignore_eos:
+        if token in self.eos_ids and not job.request.ignore_eos:
             self._deliver(job, self._chunk(job, job.text.text[job.sent :], 1, "stop"))
             return "stop"
         job.text.push(token)
@@ -360,6 +367,11 @@ class GenerationEngine:
             return
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
             self._loop.call_soon_threadsafe(callback, *args)
+
+    def waiting_by_level(self) -> list[int]:
+        """Requests waiting for their first step, per level (1 the highest)."""
+        with self._lock:
+            return [self.scheduler.waiting_at(level) for level in range(1, self.scheduler.config.levels + 1)]
 
     def json(self) -> dict[str, object]:
         with self._lock:

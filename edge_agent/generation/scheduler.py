@@ -6,29 +6,40 @@ One step, in order:
 1. Running sequences decode first, one token each, highest priority first; each grows its blocks by one when its next
    token needs one. When no block is free, the lowest-priority, latest-arrived running sequence is preempted by
    recompute (its blocks freed; back to the front of its level's queue with a bounded boost), until the others fit.
-2. Then waiting and partly prefilled sequences take prompt chunks, highest level first and FIFO within one (a
-   preempted sequence, boosted, goes before its level), each chunk at most `long_prefill_threshold` tokens, while
-   the step's `max_num_batched_tokens`, `max_num_seqs` and the free blocks allow. A waiting sequence of a higher
-   level than the lowest running one may preempt it when `max_num_seqs` is full.
+2. Then partly prefilled sequences, and waiting ones in the queue policy's order, take prompt chunks, each at most
+   `long_prefill_threshold` tokens, while the step's `max_num_batched_tokens`, `max_num_seqs` and the free blocks
+   allow. Under a policy that ranks levels, a waiting sequence of a higher level than the lowest running one may
+   preempt it when `max_num_seqs` is full.
 
-Admission at arrival predicts the time to the first token: the prefill tokens queued at this level and above plus
-its own, at the measured prefill rate, plus a step; a request that cannot make its first-token deadline is refused
-before any token (the pipeline then overflows or refuses it). The time estimates come from a `Rates` the engine
-refines with every step it runs.
+Queue policies (one small interface, `QueueOrder`: a sort key over waiting sequences, and the rank that picks a
+preemption victim):
+- `priority` (default): highest level first, FIFO within a level; with `aging_s`, a sequence that has waited that long
+  goes before every level (oldest first), so a low level is never starved for ever;
+- `fcfs`: arrival order whatever the level (vLLM's default); the victim of a preemption is the latest arrival;
+- `shortest_prompt_first`: highest level first, then the fewest prompt tokens left to prefill (the seed's STF); aging
+  as for `priority` bounds how long a long prompt can be passed over.
+A preempted sequence goes before the others of its rank (a bounded boost).
+
+Admission at arrival predicts the time to the first token: the prefill tokens of the waiting sequences the policy
+puts before this one (and what running sequences still have to prefill) plus its own, at the measured prefill rate,
+plus a step; a request that cannot make its first-token deadline (its `timeout`, or its level's default timeout) is
+refused before any token (the pipeline then overflows or refuses it). The time estimates come from a `Rates` the
+engine refines with every step it runs.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from edge_agent.generation.blocks import BlockManager
-from edge_agent.scheduling.core import Rejection
+from edge_agent.scheduling.core import LevelPolicy, Rejection, resolve_level
 
-__all__ = ["GenerationConfig", "GenerationScheduler", "Rates", "Sequence", "StepPlan"]
+__all__ = ["QUEUE_POLICIES", "GenerationConfig", "GenerationScheduler", "QueueOrder", "Rates", "Sequence", "StepPlan"]
+
+QueuePolicyName = Literal["priority", "fcfs", "shortest_prompt_first"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +50,11 @@ class GenerationConfig:
     levels: int = 3  # priority levels, 1 the highest
     default_level: int = 2
     max_waiting: int = 1024  # sequences waiting, so that memory stays bounded
-    max_boosts: int = 2  # how often a preempted sequence goes before its level
+    max_boosts: int = 2  # how often a preempted sequence goes before its rank
+    queue_policy: QueuePolicyName = "priority"
+    aging_s: float | None = None  # a sequence waiting this long goes first (priority, shortest_prompt_first)
+    # Per level (index 0 is level 1): a default first-token timeout, whether a request may shorten it, a queue cap.
+    level_policies: tuple[LevelPolicy, ...] = ()
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_threshold, self.levels) < 1:
@@ -48,6 +63,15 @@ class GenerationConfig:
             raise ValueError(f"default_level must be within 1..{self.levels}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must hold at least one decode token per running sequence")
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"queue_policy {self.queue_policy!r} is not one of {sorted(QUEUE_POLICIES)}")
+        if self.aging_s is not None and self.aging_s <= 0:
+            raise ValueError("aging_s must be > 0")
+        if self.level_policies and len(self.level_policies) != self.levels:
+            raise ValueError(f"level_policies has {len(self.level_policies)} entries for {self.levels} levels")
+
+    def level_policy(self, level: int) -> LevelPolicy:
+        return self.level_policies[level - 1] if self.level_policies else LevelPolicy()
 
 
 @dataclass
@@ -114,9 +138,50 @@ class StepPlan:
         return not self.decode and not self.prefill
 
 
-@dataclass
-class _Level:
-    queue: deque[Sequence] = field(default_factory=deque)
+class QueueOrder:
+    """A queue policy: the order of waiting sequences (a sort key, smallest first) and the rank of running ones
+    for preemption (the largest is preempted first). `priority`: level, then arrival."""
+
+    ranks_levels = True  # a waiting sequence of a higher level may preempt a running one of a lower level
+
+    def __init__(self, aging_s: float | None = None) -> None:
+        self.aging_s = aging_s
+
+    def level(self, sequence: Sequence, now: float | None) -> int:
+        """Its level, or 0 (before every level) once it has waited `aging_s`."""
+        aged = self.aging_s is not None and now is not None and now - sequence.arrival >= self.aging_s
+        return 0 if aged else sequence.level
+
+    def key(self, sequence: Sequence, now: float | None) -> tuple[float, ...]:
+        return (self.level(sequence, now), sequence.boosted == 0, sequence.arrival, sequence.id)
+
+    def victim_rank(self, sequence: Sequence) -> tuple[float, ...]:
+        return (sequence.level, sequence.arrival, sequence.id)
+
+
+class _FirstComeFirstServed(QueueOrder):
+    ranks_levels = False
+
+    def key(self, sequence: Sequence, now: float | None) -> tuple[float, ...]:
+        return (sequence.boosted == 0, sequence.arrival, sequence.id)
+
+    def victim_rank(self, sequence: Sequence) -> tuple[float, ...]:
+        return (sequence.arrival, sequence.id)
+
+
+class _ShortestPromptFirst(QueueOrder):
+    def key(self, sequence: Sequence, now: float | None) -> tuple[float, ...]:
+        level = self.level(sequence, now)
+        if level == 0:  # aged: oldest first, whatever its length
+            return (0, sequence.boosted == 0, 0, sequence.arrival, sequence.id)
+        return (level, sequence.boosted == 0, sequence.to_prefill, sequence.arrival, sequence.id)
+
+
+QUEUE_POLICIES: dict[str, type[QueueOrder]] = {
+    "priority": QueueOrder,
+    "fcfs": _FirstComeFirstServed,
+    "shortest_prompt_first": _ShortestPromptFirst,
+}
 
 
 class GenerationScheduler:
@@ -124,7 +189,9 @@ class GenerationScheduler:
         self.config = config
         self.blocks = blocks
         self.rates = rates or Rates()
-        self._levels = [_Level() for _ in range(config.levels)]
+        self.order = QUEUE_POLICIES[config.queue_policy](config.aging_s)
+        self._waiting: list[Sequence] = []  # admitted, holding no blocks; ordered by `order` at each step
+        self._per_level = [0] * config.levels
         self.running: list[Sequence] = []
         self._ids = itertools.count(1)
         self.preemptions = 0
@@ -133,18 +200,28 @@ class GenerationScheduler:
     # ---- admission -------------------------------------------------------------------------------------------------
 
     def resolve_level(self, priority: int) -> int:
-        if priority < 0:
-            raise ValueError(f"priority must be >= 0, got {priority}")
-        return self.config.default_level if priority == 0 or priority > self.config.levels else priority
+        return resolve_level(priority, self.config.levels, self.config.default_level)
+
+    def deadline_for(self, level: int, now: float, timeout_s: float | None) -> float | None:
+        """The first token's deadline from the request's `timeout` and its level's default timeout."""
+        return self.config.level_policy(level).deadline(now, timeout_s)
 
     @property
     def waiting(self) -> int:
-        return sum(len(lv.queue) for lv in self._levels)
+        return len(self._waiting)
 
-    def predict_first_token_s(self, level: int, prompt: int) -> float:
-        """Seconds from now to a new request's first token: the prefill queued at its level and above (and what
-        running sequences still have to prefill), then its own, at the measured rate, plus one step."""
-        ahead = sum(s.to_prefill for lv in self._levels[:level] for s in lv.queue)
+    def waiting_at(self, level: int) -> int:
+        """Sequences waiting at one level (1 the highest): the queue depth per level."""
+        return self._per_level[level - 1]
+
+    def predict_first_token_s(self, level: int, prompt: int, now: float | None = None) -> float:
+        """Seconds from `now` to a new request's first token: the prefill of the waiting sequences the policy puts
+        before it (and what running sequences still have to prefill), then its own, at the measured rate, plus a
+        step. Sequences that will age past it while it waits are not foreseen."""
+        probe = Sequence(prompt=prompt, max_tokens=1, level=level, arrival=math.inf if now is None else now,
+                         id=1 << 62)  # fmt: skip
+        mine = self.order.key(probe, now)
+        ahead = sum(s.to_prefill for s in self._waiting if self.order.key(s, now) < mine)
         ahead += sum(s.to_prefill for s in self.running)
         return (ahead + prompt) / self.rates.prefill_tokens_per_s + self.rates.step_s
 
@@ -159,25 +236,37 @@ class GenerationScheduler:
             raise ValueError(f"{sequence.prompt + sequence.max_tokens} tokens need more KV blocks than the budget "
                              f"holds ({self.blocks.total} of {self.blocks.block_size} tokens)")  # fmt: skip
         if self.waiting >= self.config.max_waiting:
-            return Rejection("queue_full", f"{self.waiting} sequences are waiting already", self._retry_after())
+            return Rejection("queue_full", f"{self.waiting} sequences are waiting already", self._retry_after(now))
+        cap = self.config.level_policy(sequence.level).max_queue_size
+        if cap and self._per_level[sequence.level - 1] >= cap:
+            return Rejection("queue_full", f"{cap} sequences are waiting at level {sequence.level} already",
+                             self._retry_after(now))  # fmt: skip
         if sequence.deadline is not None:
-            predicted = self.predict_first_token_s(sequence.level, sequence.prompt)
+            predicted = self.predict_first_token_s(sequence.level, sequence.prompt, now)
             if now + predicted > sequence.deadline:
                 budget_ms = (sequence.deadline - now) * 1e3
                 return Rejection("deadline_unmeetable", f"predicted first token in {predicted * 1e3:.1f} ms exceeds "
-                                 f"the {budget_ms:.1f} ms deadline", self._retry_after())  # fmt: skip
+                                 f"the {budget_ms:.1f} ms deadline", self._retry_after(now))  # fmt: skip
         sequence.id = next(self._ids)
-        self._levels[sequence.level - 1].queue.append(sequence)
+        self._enqueue(sequence)
         return None
 
-    def _retry_after(self) -> float:
-        return max(1.0, math.ceil(self.predict_first_token_s(self.config.levels, 0)))
+    def _retry_after(self, now: float) -> float:
+        return max(1.0, math.ceil(self.predict_first_token_s(self.config.levels, 0, now)))
+
+    def _enqueue(self, sequence: Sequence) -> None:
+        self._waiting.append(sequence)
+        self._per_level[sequence.level - 1] += 1
+
+    def _dequeue(self, sequence: Sequence) -> None:
+        self._waiting.remove(sequence)
+        self._per_level[sequence.level - 1] -= 1
 
     # ---- a step ----------------------------------------------------------------------------------------------------
 
-    def step(self) -> StepPlan:
-        """Decide the next step (see the module's docstring). Blocks are taken here; the engine runs the plan and
-        reports each sequence's new tokens with `advance`."""
+    def step(self, now: float | None = None) -> StepPlan:
+        """Decide the next step (see the module's docstring) at `now` (for aging; None: no sequence ages). Blocks
+        are taken here; the engine runs the plan and reports each sequence's new tokens with `advance`."""
         preempted: list[Sequence] = []
         decode: list[Sequence] = []
         self.running.sort(key=lambda s: (s.level, s.arrival, s.id))
@@ -197,12 +286,14 @@ class GenerationScheduler:
                 decode.append(sequence)
         budget = self.config.max_num_batched_tokens - len(decode)
         prefill: list[tuple[Sequence, int]] = []
-        for sequence in self._prefill_order():
+        for sequence in self._prefill_order(now):
             if budget <= 0:
                 break
             if sequence.state == "waiting":
                 if len(self.running) >= self.config.max_num_seqs:
-                    victim = self._victim(below=sequence.level)
+                    if not self.order.ranks_levels:
+                        break  # arrival order: nobody waiting outranks a running sequence
+                    victim = self._victim(below=self.order.level(sequence, now), now=now)
                     needed = self.blocks.blocks_for(sequence.tokens)
                     if victim is None or self.blocks.free_blocks + len(self.blocks.blocks_of(victim)) < needed:
                         continue  # nobody to preempt, or preempting would not make room: nobody loses a cache
@@ -216,7 +307,7 @@ class GenerationScheduler:
                         budget += entry[1]
                 if not self.blocks.allocate(sequence, sequence.tokens):
                     break  # its blocks are not free: it waits, and so does everyone after it (no overtaking)
-                self._levels[sequence.level - 1].queue.remove(sequence)
+                self._dequeue(sequence)
                 sequence.state = "running"
                 self.running.append(sequence)
             chunk = min(sequence.to_prefill, self.config.long_prefill_threshold, budget)
@@ -224,20 +315,18 @@ class GenerationScheduler:
             budget -= chunk
         return StepPlan(tuple(decode), tuple(prefill), tuple(preempted))
 
-    def _prefill_order(self) -> list[Sequence]:
-        """Running sequences partly prefilled first (they hold blocks), then waiting ones by level: boosted
-        (preempted) ones before the rest of their level, FIFO within."""
+    def _prefill_order(self, now: float | None = None) -> list[Sequence]:
+        """Running sequences partly prefilled first (they hold blocks), then waiting ones in the policy's order
+        (boosted, preempted ones before the rest of their rank)."""
         partial = [s for s in self.running if s.to_prefill > 0]
-        waiting: list[Sequence] = []
-        for level in self._levels:
-            waiting += sorted(level.queue, key=lambda s: (s.boosted == 0, s.arrival, s.id))
-        return partial + waiting
+        return partial + sorted(self._waiting, key=lambda s: self.order.key(s, now))
 
-    def _victim(self, below: int | None = None) -> Sequence | None:
-        """The running sequence to preempt: lowest priority (highest level number), latest arrival; with `below`,
-        only one of a lower priority than that level."""
-        candidates = [s for s in self.running if below is None or s.level > below]
-        return max(candidates, key=lambda s: (s.level, s.arrival, s.id)) if candidates else None
+    def _victim(self, below: int | None = None, now: float | None = None) -> Sequence | None:
+        """The running sequence to preempt: the policy's lowest rank (by default the lowest priority, latest
+        arrival); with `below`, only one of a lower priority than that level (an aged one counts as level 0, so that
+        a sequence aging let in is not pushed out by the next higher-priority arrival)."""
+        candidates = [s for s in self.running if below is None or self.order.level(s, now) > below]
+        return max(candidates, key=self.order.victim_rank) if candidates else None
 
     def _preempt(self, sequence: Sequence) -> None:
         self.blocks.free(sequence)
@@ -246,7 +335,7 @@ class GenerationScheduler:
         sequence.preemptions += 1
         self.preemptions += 1
         sequence.boosted = int(sequence.preemptions <= self.config.max_boosts)  # bounded: then it queues as others
-        self._levels[sequence.level - 1].queue.appendleft(sequence)
+        self._enqueue(sequence)
 
     def advance(self, plan: StepPlan, finished: set[Sequence] | frozenset[Sequence] = frozenset()) -> None:
         """After the engine ran `plan`: prefill chunks are in the caches, each decode (and each sequence whose
@@ -268,7 +357,7 @@ class GenerationScheduler:
         if sequence in self.running:
             self.running.remove(sequence)
         elif sequence.state == "waiting":
-            self._levels[sequence.level - 1].queue.remove(sequence)
+            self._dequeue(sequence)
         sequence.state = "finished"
 
     def drain(self) -> None:

@@ -28,8 +28,11 @@ from spillway.contract.spec import (
 
 CONFIG_FILENAMES = ("config.pbtxt", "config.yaml")
 
+# A generative decoder (`genai_config.json` beside its model.onnx in each version): served by the generative engine,
+# its inputs and outputs described by genai_config.json rather than the model config.
+DECODER_PLATFORM = "onnxruntime_decoder"
 # platform -> the model file each version directory must hold
-MODEL_FILENAMES = {"onnxruntime_onnx": "model.onnx", "tensorrt_plan": "model.plan"}
+MODEL_FILENAMES = {"onnxruntime_onnx": "model.onnx", "tensorrt_plan": "model.plan", DECODER_PLATFORM: "model.onnx"}
 _BACKEND_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
 
 # Triton's DataType enum name -> V2 datatype (TYPE_STRING travels as BYTES in the V2 protocol)
@@ -169,9 +172,13 @@ def to_model_config(message: Any, source: Path, *, expected_name: str) -> ModelC
         raise refuse("max_batch_size", f"{message.max_batch_size} is negative")
     inputs = _tensors(message.input, "input", refuse)
     outputs = _tensors(message.output, "output", refuse)
-    if not inputs:
+    if platform == DECODER_PLATFORM:
+        if inputs or outputs:
+            raise refuse("input" if inputs else "output", f"platform {DECODER_PLATFORM!r} takes its inputs and "
+                         "outputs from each version's genai_config.json; remove them")  # fmt: skip
+    elif not inputs:
         raise refuse("input", "the config declares no inputs")
-    if not outputs:
+    elif not outputs:
         raise refuse("output", "the config declares no outputs")
     batching = message.dynamic_batching if message.HasField("dynamic_batching") else None
     return ModelConfig(
@@ -184,6 +191,7 @@ def to_model_config(message: Any, source: Path, *, expected_name: str) -> ModelC
         instance_count=_instance_count(message.instance_group, refuse),
         version_policy=_version_policy(message.version_policy, refuse),
         source=source,
+        parameters={key: value.string_value for key, value in sorted(message.parameters.items())},
     )
 
 

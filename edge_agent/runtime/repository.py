@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.errors import AgentError
-from edge_agent.runtime.config import MODEL_FILENAMES, ModelConfigError, load_model_config
+from edge_agent.runtime.config import (
+    CONFIG_FILENAMES,
+    DECODER_PLATFORM,
+    MODEL_FILENAMES,
+    ModelConfigError,
+    load_model_config,
+)
 from spillway.contract.spec import ModelConfig, ModelVersion, TensorSpec, VersionPolicy
 
 _VERSION_DIR = re.compile(r"[0-9]+")
@@ -83,21 +89,38 @@ def _model_dirs(root: Path) -> list[Path]:
 
 
 def is_generative(model_dir: Path) -> bool:
-    """A generative model: a directory without a Triton config whose versions hold `genai_config.json`."""
-    if (model_dir / "config.pbtxt").exists() or (model_dir / "config.yaml").exists():
-        return False
+    """A generative model: its config says `platform: "onnxruntime_decoder"`, or it has no config and its versions
+    hold `genai_config.json` (served with the agent's `generation` settings)."""
+    if any((model_dir / name).exists() for name in CONFIG_FILENAMES):
+        return load_model_config(model_dir).platform == DECODER_PLATFORM
     return any((v / "genai_config.json").is_file() for v in model_dir.iterdir() if _VERSION_DIR.fullmatch(v.name))
 
 
-def generative_models(root: Path) -> dict[str, Path]:
-    """The generative models of a repository: name -> the newest version's directory."""
+@dataclass(frozen=True)
+class GenerativeModel:
+    """A generative model to serve: the newest version's directory, and its model config when it has one."""
+
+    folder: Path
+    config: ModelConfig | None
+
+
+def generative_models(root: Path) -> dict[str, GenerativeModel]:
+    """The generative models of a repository by name (ModelConfigError naming a version without its files)."""
     found = {}
     for model_dir in _model_dirs(root) if root.is_dir() else []:
-        if is_generative(model_dir):
-            versions = [
-                v for v in model_dir.iterdir() if _VERSION_DIR.fullmatch(v.name) and (v / "genai_config.json").is_file()
-            ]
-            found[model_dir.name] = max(versions, key=lambda v: int(v.name))
+        if not is_generative(model_dir):
+            continue
+        config = load_model_config(model_dir) if any((model_dir / n).exists() for n in CONFIG_FILENAMES) else None
+        versions = sorted((v for v in model_dir.iterdir() if v.is_dir() and _VERSION_DIR.fullmatch(v.name)
+                           and (config is not None or (v / "genai_config.json").is_file())),
+                          key=lambda v: int(v.name))  # fmt: skip
+        if not versions:
+            raise ModelConfigError(f"{model_dir}: no version directory (e.g. {model_dir}/1/)")
+        newest = versions[-1]
+        if not (newest / "genai_config.json").is_file():
+            raise ModelConfigError(f"{newest / 'genai_config.json'}: missing or not a file (platform "
+                                   f"{DECODER_PLATFORM!r} needs it in the served version)")  # fmt: skip
+        found[model_dir.name] = GenerativeModel(newest, config)
     return found
 
 

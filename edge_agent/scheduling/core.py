@@ -24,6 +24,8 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
+from spillway.contract.spec import DynamicBatching
+
 
 class Predictor(Protocol):
     """Predicted compute seconds for a batch of `rows` rows (a warm-up profile refined online)."""
@@ -39,6 +41,33 @@ class LevelPolicy:
     default_timeout_s: float = 0.0  # 0: no deadline unless the request brings one
     allow_timeout_override: bool = True
     timeout_action: Literal["REJECT", "DELAY"] = "REJECT"
+
+    def deadline(self, now: float, timeout_s: float | None) -> float | None:
+        """A request's deadline from its `timeout` and this level's default (an override may only shorten it)."""
+        default = self.default_timeout_s or None
+        chosen: float | None
+        if timeout_s is not None and timeout_s > 0 and self.allow_timeout_override:
+            chosen = timeout_s if default is None else min(timeout_s, default)
+        else:
+            chosen = default
+        return None if chosen is None else now + chosen
+
+
+def level_policies(batching: DynamicBatching) -> tuple[LevelPolicy, ...]:
+    """Triton's per-level queue policies (`priority_queue_policy`, else `default_queue_policy`), one per level."""
+    return tuple(
+        LevelPolicy(max_queue_size=policy.max_queue_size, default_timeout_s=policy.default_timeout_us / 1e6,
+                    allow_timeout_override=policy.allow_timeout_override, timeout_action=policy.timeout_action)
+        for level in range(1, max(1, batching.priority_levels) + 1)
+        for policy in [batching.priority_queue_policy.get(level, batching.default_queue_policy)]
+    )  # fmt: skip
+
+
+def resolve_level(priority: int, levels: int, default_level: int) -> int:
+    """Triton's meaning: 1..N are levels; 0, and anything above N, mean the model's default level."""
+    if priority < 0:
+        raise ValueError(f"priority must be >= 0, got {priority}")
+    return default_level if priority == 0 or priority > levels else priority
 
 
 @dataclass(frozen=True)
@@ -140,23 +169,11 @@ class Scheduler:
     # ---- admission ---------------------------------------------------------------------------
 
     def resolve_level(self, priority: int) -> int:
-        """Triton's meaning: 1..N are levels; 0, and anything above N, mean the model's default level."""
-        if priority < 0:
-            raise ValueError(f"priority must be >= 0, got {priority}")
-        if priority == 0 or priority > len(self._levels):
-            return self.config.default_level
-        return priority
+        return resolve_level(priority, len(self._levels), self.config.default_level)
 
     def deadline_for(self, level: int, now: float, timeout_s: float | None) -> float | None:
         """The request's deadline from its `timeout` and its level's policy (override only to shorten)."""
-        policy = self._levels[level - 1].policy
-        default = policy.default_timeout_s or None
-        chosen: float | None
-        if timeout_s is not None and timeout_s > 0 and policy.allow_timeout_override:
-            chosen = timeout_s if default is None else min(timeout_s, default)
-        else:
-            chosen = default
-        return None if chosen is None else now + chosen
+        return self._levels[level - 1].policy.deadline(now, timeout_s)
 
     def predict_completion(self, level: int, rows: int, now: float) -> float:
         """Seconds from now until a new request at `level` would be answered, with what is queued and running."""

@@ -19,7 +19,7 @@ from edge_agent.policy.cache import PolicyCache
 from edge_agent.policy.plan import PolicyRefused, ServedModel, validate_default_outputs
 from edge_agent.runtime.config import ModelConfigError
 from edge_agent.runtime.repository import UnknownModelError, check_onnx_graph, load_repository
-from edge_agent.scheduling.core import LevelPolicy, Scheduler, SchedulerConfig
+from edge_agent.scheduling.core import Scheduler, SchedulerConfig, level_policies
 from edge_agent.scheduling.worker import ModelWorker
 from edge_agent.serving.app import InferenceApp
 from edge_agent.serving.models import LoadedModel, ModelRegistry
@@ -46,23 +46,11 @@ def scheduler_config(model: ModelConfig, agent: AgentConfig) -> SchedulerConfig:
     if batching is None:
         return SchedulerConfig(max_batch_size=max_batch, instances=model.instance_count, merge=False,
                                max_queued_requests=agent.max_queued_requests, aging_s=agent.aging_s)  # fmt: skip
-    level_count = max(1, batching.priority_levels)
-    levels = []
-    for level in range(1, level_count + 1):
-        policy = batching.priority_queue_policy.get(level, batching.default_queue_policy)
-        levels.append(
-            LevelPolicy(
-                max_queue_size=policy.max_queue_size,
-                default_timeout_s=policy.default_timeout_us / 1e6,
-                allow_timeout_override=policy.allow_timeout_override,
-                timeout_action=policy.timeout_action,
-            )
-        )
     return SchedulerConfig(
         max_batch_size=max_batch,
         preferred_batch_sizes=tuple(s for s in batching.preferred_batch_sizes if s <= max_batch),
         max_queue_delay_s=batching.max_queue_delay_us / 1e6,
-        levels=tuple(levels),
+        levels=level_policies(batching),
         default_level=batching.default_priority_level or 1 if batching.priority_levels else 1,
         instances=model.instance_count,
         max_queued_requests=agent.max_queued_requests,
@@ -322,8 +310,9 @@ def _generative(config: AgentConfig) -> dict[str, GenerationEngine]:
     from edge_agent.generation.load import load_engine
 
     engines = {}
-    for name, folder in found.items():
-        engines[name] = load_engine(name, folder, config.generation, threads=config.intra_op_threads)
+    for name, model in found.items():
+        engines[name] = load_engine(name, model.folder, config.generation, model=model.config,
+                                    threads=config.intra_op_threads)  # fmt: skip
     return engines
 
 

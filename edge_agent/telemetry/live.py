@@ -54,6 +54,9 @@ class LiveTelemetry:
             for model in self.registry.all():
                 for level, depth in enumerate(model.worker.scheduler.depth(), 1):
                     yield {"model": model.config.name, "model.version": str(model.version), "priority": level}, depth
+            for name, engine in self.engines.items():
+                for level, depth in enumerate(engine.waiting_by_level(), 1):
+                    yield {"model": name, "model.version": engine.version, "priority": level}, depth
 
         telemetry.watch_queue(depths)
         for name, engine in self.engines.items():

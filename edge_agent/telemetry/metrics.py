@@ -85,7 +85,8 @@ class AgentTelemetry:
                           aggregation=ExplicitBucketHistogramAggregation(BATCH_BUCKETS)))  # fmt: skip
         for name, bounds in ((names.GENAI_TTFT, names.GENAI_TTFT_BUCKETS), (names.GENAI_TPOT, names.GENAI_TPOT_BUCKETS),
                              (names.GENAI_REQUEST_DURATION, names.GENAI_DURATION_BUCKETS),
-                             (names.GENAI_TOKEN_USAGE, names.GENAI_TOKEN_BUCKETS)):  # fmt: skip
+                             (names.GENAI_TOKEN_USAGE, names.GENAI_TOKEN_BUCKETS),
+                             (names.STEP_TOKENS, names.STEP_TOKEN_BUCKETS)):  # fmt: skip
             views.append(View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(bounds)))
         all_readers = list(readers) if readers is not None else otlp_readers(settings)
         self.provider = MeterProvider(resource=resource_for(settings), metric_readers=all_readers, views=views)
@@ -119,6 +120,8 @@ class AgentTelemetry:
                                       description="KV-cache blocks held by sequences")  # fmt: skip
         meter.create_observable_gauge(names.KV_BLOCKS_TOTAL, callbacks=[self._observe("total")], unit="{block}",
                                       description="KV-cache blocks of the budget")  # fmt: skip
+        self.step_tokens = meter.create_histogram(names.STEP_TOKENS, unit="{token}",
+                                                  description="tokens one generation step computed")  # fmt: skip
         meter.create_observable_counter(names.PREEMPTIONS, callbacks=[self._observe("preemptions")],
                                         unit="{sequence}", description="sequences preempted (recomputed)")  # fmt: skip
         if probes:
@@ -214,6 +217,9 @@ class GenerationRecorder:
     def __init__(self, telemetry: AgentTelemetry, model: str, version: str) -> None:
         self.telemetry = telemetry
         self.model, self.version = model, version
+
+    def step(self, tokens: int) -> None:
+        self.telemetry.step_tokens.record(tokens, {names.ATTR_MODEL: self.model})
 
     def outcome(self, priority: int, outcome: str) -> None:
         self.telemetry.requests.add(1, {names.ATTR_MODEL: self.model, names.ATTR_VERSION: self.version,

@@ -36,6 +36,8 @@ GENAI_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048
 KV_BLOCKS_USED = "spillway.kv.blocks.used"  # gauge: model
 KV_BLOCKS_TOTAL = "spillway.kv.blocks.total"  # gauge: model
 PREEMPTIONS = "spillway.generation.preemptions"  # counter: model
+STEP_TOKENS = "spillway.generation.step.tokens"  # histogram, {token}: tokens one engine step computed; model
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 ATTR_GENAI_MODEL = "gen_ai.request.model"
 ATTR_GENAI_OPERATION = "gen_ai.operation.name"  # chat | text_completion
 ATTR_GENAI_TOKEN_TYPE = "gen_ai.token.type"  # noqa: S105 (an attribute name): input or output
@@ -147,6 +149,8 @@ __all__ = [
     "REQUESTS",
     "REQUEST_DURATION",
     "SERVICE_NAME",
+    "STEP_TOKENS",
+    "STEP_TOKEN_BUCKETS",
     "TEMPERATURE",
     "Outcome",
     "Reason",

@@ -58,7 +58,7 @@ class VersionPolicy:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    platform: str  # "onnxruntime_onnx" (or "tensorrt_plan" once a TensorRT runner has run on a GPU)
+    platform: str  # "onnxruntime_onnx", "onnxruntime_decoder" (generative), "tensorrt_plan" (refused by the runner)
     max_batch_size: int  # 0: the model does not batch; shapes then include every dimension
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
@@ -66,6 +66,7 @@ class ModelConfig:
     instance_count: int
     version_policy: VersionPolicy
     source: Path  # the config file, for error messages
+    parameters: Mapping[str, str] = field(default_factory=dict)  # Triton's `parameters`, their string values
 
 
 @dataclass(frozen=True)

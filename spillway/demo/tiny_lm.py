@@ -15,6 +15,14 @@ decoding must give what full recomputation gives.
 
 `genai_config.json` describes it the way onnxruntime-genai's model builder does (`model.decoder.inputs`,
 `outputs`, `head_size`, `num_key_value_heads`, ...), so one loader reads both.
+
+`attention="gqa"` builds the attention the way that builder does (`-e cpu`), so CI covers that path without torch:
+one packed QKV MatMul into onnxruntime's `com.microsoft` GroupQueryAttention with rotary positions (`do_rotary`,
+cos/sin caches; no position embeddings and no `position_ids` input), fed `seqlens_k = ReduceSum(attention_mask) - 1`
+(int32) and `total_sequence_length = Shape(attention_mask)[1]` computed in the graph. The kernel reads each row's
+past from position 0 up to its own length: a batch of caches is right-padded. `kv_dtype="float16"` makes the KV
+inputs and outputs half precision (Casts around the attention; the logits stay float32). Its head size must be a
+multiple of 16, as the kernel's rotary requires. The default graph (and its seeded weights) does not change.
 """
 
 from __future__ import annotations
@@ -99,11 +107,23 @@ class _Graph:
         return out
 
 
-def build_tiny_lm(shape: DecoderShape = TINY, *, seed: int = SEED) -> onnx.ModelProto:
-    """The decoder as an ONNX graph (opset 17) with seeded random weights."""
+def build_tiny_lm(shape: DecoderShape = TINY, *, seed: int = SEED, attention: str = "matmul",
+                  kv_dtype: str = "float32") -> onnx.ModelProto:  # fmt: skip
+    """The decoder as an ONNX graph (opset 17) with seeded random weights; `attention` "matmul" (the default) or
+    "gqa" (onnxruntime's GroupQueryAttention, as onnxruntime-genai's builder emits it; `kv_dtype` float32 or
+    float16)."""
     import onnx
     from onnx import TensorProto, helper
 
+    if attention not in ("matmul", "gqa") or kv_dtype not in ("float32", "float16"):
+        raise ValueError(f"attention is 'matmul' or 'gqa' and kv_dtype 'float32' or 'float16', not {attention!r}, "
+                         f"{kv_dtype!r}")  # fmt: skip
+    gqa = attention == "gqa"
+    if not gqa and kv_dtype != "float32":
+        raise ValueError("a float16 KV cache needs attention='gqa'")
+    if gqa and shape.head_size % 16:
+        raise ValueError(f"GroupQueryAttention's rotary needs a head size that is a multiple of 16, not "
+                         f"{shape.head_size}")  # fmt: skip
     rng = np.random.default_rng(seed + shape.layers * 1000 + shape.width)
     g = _Graph()
     width, head, heads, kv_heads = shape.width, shape.head_size, shape.heads, shape.kv_heads
@@ -111,6 +131,8 @@ def build_tiny_lm(shape: DecoderShape = TINY, *, seed: int = SEED) -> onnx.Model
     def weight(rows: int, cols: int, hint: str) -> str:
         return g.const(rng.standard_normal((rows, cols)) / np.sqrt(rows), hint)
 
+    if gqa:
+        return _build_gqa(g, shape, rng, weight, half=kv_dtype == "float16")
     i64 = np.int64
     zero, one = g.const([0], "zero", i64), g.const([1], "one", i64)
     two = g.const([2], "two", i64)
@@ -196,8 +218,73 @@ def build_tiny_lm(shape: DecoderShape = TINY, *, seed: int = SEED) -> onnx.Model
     return model
 
 
-def genai_config(shape: DecoderShape, *, eos: int = EOS, bos: int = BOS, pad: int = PAD) -> dict[str, Any]:
-    """onnxruntime-genai's `genai_config.json` for the decoder (its model builder's field names)."""
+def _build_gqa(g: _Graph, shape: DecoderShape, rng: np.random.Generator, weight: Any, *,
+               half: bool) -> onnx.ModelProto:  # fmt: skip
+    """`build_tiny_lm(attention="gqa")`: the attention as onnxruntime-genai's builder writes it."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    width, head, heads, kv_heads = shape.width, shape.head_size, shape.heads, shape.kv_heads
+    x = g.op("Gather", g.const(rng.standard_normal((shape.vocab, width)) * 0.5, "wte"), "input_ids")
+    kv_type = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    one = g.const([1], "one", np.int64)
+    # What the builder's attn_mask_reformat subgraph computes: each row's tokens - 1, and the mask's width.
+    tokens = g.op("ReduceSum", "attention_mask", one, keepdims=0)
+    seqlens_k = g.op("Cast", g.op("Sub", tokens, one), to=TensorProto.INT32)
+    total = g.op("Cast", g.op("Gather", g.op("Shape", "attention_mask"), one, axis=0), to=TensorProto.INT32)
+    inverse = 1.0 / 10000 ** (np.arange(0, head, 2) / head)
+    angles = np.arange(shape.context)[:, None] * inverse[None, :]  # [context, head / 2]
+    kv_np = np.float16 if half else np.float32
+    cos, sin = g.const(np.cos(angles), "cos_cache", kv_np), g.const(np.sin(angles), "sin_cache", kv_np)
+
+    def layer_norm(value: str, hint: str) -> str:
+        return g.op("LayerNormalization", value, g.const(np.ones(width), f"{hint}_g"),
+                    g.const(np.zeros(width), f"{hint}_b"), axis=-1, epsilon=1e-5)  # fmt: skip
+
+    for i in range(shape.layers):
+        qkv = g.op("MatMul", layer_norm(x, f"ln{i}a"), weight(width, (heads + 2 * kv_heads) * head, f"wqkv{i}"))
+        if half:
+            qkv = g.op("Cast", qkv, to=TensorProto.FLOAT16)
+        attended = g.name(f"gqa{i}")
+        g.nodes.append(helper.make_node(
+            "GroupQueryAttention", [qkv, "", "", PAST_KEY % i, PAST_VALUE % i, seqlens_k, total, cos, sin],
+            [attended, PRESENT_KEY % i, PRESENT_VALUE % i], domain="com.microsoft", num_heads=heads,
+            kv_num_heads=kv_heads, scale=1.0 / np.sqrt(head), do_rotary=1, local_window_size=-1))  # fmt: skip
+        if half:
+            attended = g.op("Cast", attended, to=TensorProto.FLOAT)
+        x = g.op("Add", x, g.op("MatMul", attended, weight(width, width, f"wo{i}")), hint=f"attn_res{i}")
+        hidden = g.op("MatMul", layer_norm(x, f"ln{i}b"), weight(width, shape.mlp * width, f"w1{i}"))
+        silu = g.op("Mul", hidden, g.op("Sigmoid", hidden))  # Llama's MLP activation, as the builder writes it
+        x = g.op("Add", x, g.op("MatMul", silu, weight(shape.mlp * width, width, f"w2{i}")))
+    g.nodes.append(helper.make_node("MatMul", [layer_norm(x, "ln_f"), weight(width, shape.vocab, "lm_head")],
+                                    ["logits"]))  # fmt: skip
+    kv: list[str | int | None] = ["batch", kv_heads, "past_sequence_length", head]
+    present: list[str | int | None] = ["batch", kv_heads, "total_sequence_length", head]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence_length"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total_sequence_length"]),
+    ]
+    outs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence_length", shape.vocab])]
+    for i in range(shape.layers):
+        inputs += [helper.make_tensor_value_info(PAST_KEY % i, kv_type, kv),
+                   helper.make_tensor_value_info(PAST_VALUE % i, kv_type, kv)]  # fmt: skip
+        outs += [helper.make_tensor_value_info(PRESENT_KEY % i, kv_type, present),
+                 helper.make_tensor_value_info(PRESENT_VALUE % i, kv_type, present)]  # fmt: skip
+    graph = helper.make_graph(g.nodes, TINY_LM, inputs, outs, g.initializers)
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="spillway")
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model)
+    return model
+
+
+def genai_config(shape: DecoderShape, *, eos: int = EOS, bos: int = BOS, pad: int = PAD,
+                 position_ids: bool = True) -> dict[str, Any]:  # fmt: skip
+    """onnxruntime-genai's `genai_config.json` for the decoder (its model builder's field names); the builder's
+    GroupQueryAttention exports name no `position_ids`."""
+    names = {"input_ids": "input_ids", "attention_mask": "attention_mask", "position_ids": "position_ids"}
+    if not position_ids:
+        del names["position_ids"]
     return {
         "model": {
             "type": "spillway-tiny-lm",
@@ -213,13 +300,7 @@ def genai_config(shape: DecoderShape, *, eos: int = EOS, bos: int = BOS, pad: in
                 "num_attention_heads": shape.heads,
                 "num_key_value_heads": shape.kv_heads,
                 "num_hidden_layers": shape.layers,
-                "inputs": {
-                    "input_ids": "input_ids",
-                    "attention_mask": "attention_mask",
-                    "position_ids": "position_ids",
-                    "past_key_names": PAST_KEY,
-                    "past_value_names": PAST_VALUE,
-                },
+                "inputs": {**names, "past_key_names": PAST_KEY, "past_value_names": PAST_VALUE},
                 "outputs": {"logits": "logits", "present_key_names": PRESENT_KEY, "present_value_names": PRESENT_VALUE},
             },
         },
@@ -254,12 +335,16 @@ def build_tokenizer() -> Any:
     return tokenizer
 
 
-def build_tiny_lm_version(out: Path, version: int, shape: DecoderShape, *, seed: int = SEED) -> Path:
+def build_tiny_lm_version(out: Path, version: int, shape: DecoderShape, *, seed: int = SEED, attention: str = "matmul",
+                          kv_dtype: str = "float32") -> Path:  # fmt: skip
     """Write `out/<version>/`: `model.onnx`, `genai_config.json`, `tokenizer.json` and `tokenizer_config.json` (its
-    chat template, as Hugging Face models ship it); returns the version's folder."""
+    chat template, as Hugging Face models ship it); returns the version's folder. `attention` and `kv_dtype` as for
+    `build_tiny_lm`."""
     folder = out / str(version)
-    _write_atomically(folder / "model.onnx", build_tiny_lm(shape, seed=seed).SerializeToString())
-    _write_atomically(folder / "genai_config.json", (json.dumps(genai_config(shape), indent=2) + "\n").encode())
+    model = build_tiny_lm(shape, seed=seed, attention=attention, kv_dtype=kv_dtype)
+    _write_atomically(folder / "model.onnx", model.SerializeToString())
+    described = genai_config(shape, position_ids=attention == "matmul")
+    _write_atomically(folder / "genai_config.json", (json.dumps(described, indent=2) + "\n").encode())
     _write_atomically(folder / "tokenizer.json", build_tokenizer().to_str().encode())
     config = {"chat_template": CHAT_TEMPLATE, "bos_token": SPECIALS[0], "eos_token": SPECIALS[1],
               "pad_token": SPECIALS[2]}  # fmt: skip

@@ -1,6 +1,9 @@
 """The decoder runner on a real onnxruntime session: sequences that join mid-flight, with prompts of different
 lengths and prefilled in chunks, decode in one batch exactly what each decodes alone (continuous batching keeps
-greedy output unchanged), and a preempted sequence recomputed from its tokens goes on as if never preempted."""
+greedy output unchanged), and a preempted sequence recomputed from its tokens goes on as if never preempted.
+
+Each runs on tiny-lm's two attentions: MatMul and a mask (left-padded batches), and onnxruntime's GroupQueryAttention
+as onnxruntime-genai's model builder emits it (right-padded batches, no position_ids, a float16 KV cache too)."""
 
 from __future__ import annotations
 
@@ -11,14 +14,24 @@ import numpy as np
 import pytest
 
 from edge_agent.generation.runner import DecoderConfig, DecoderRunner, GenerationConfigError
-from spillway.demo.tiny_lm import TINY, build_tiny_lm_version
+from spillway.demo.tiny_lm import TINY, DecoderShape, build_tiny_lm_version
 from tests.agent.lm_support import greedy_alone
 
+GQA_SHAPE = DecoderShape(width=64, layers=2, heads=4, kv_heads=2, context=128)  # the rotary needs head size 16k
+# (attention, kv_dtype) -> what the runner must pick up from the graph: the padding side and the cache's type
+VARIANTS = {"matmul": ("matmul", "float32"), "gqa": ("gqa", "float32"), "gqa-fp16": ("gqa", "float16")}
 
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory: pytest.TempPathFactory) -> DecoderRunner:
-    folder = build_tiny_lm_version(tmp_path_factory.mktemp("tiny-lm"), 1, TINY)
-    return DecoderRunner(DecoderConfig.load(folder))
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DecoderRunner:
+    attention, kv_dtype = VARIANTS[request.param]
+    shape = TINY if attention == "matmul" else GQA_SHAPE
+    folder = build_tiny_lm_version(tmp_path_factory.mktemp("tiny-lm"), 1, shape, attention=attention,
+                                   kv_dtype=kv_dtype)  # fmt: skip
+    built = DecoderRunner(DecoderConfig.load(folder))
+    assert built.padding == ("left" if attention == "matmul" else "right")
+    assert built.kv_dtype == np.dtype(kv_dtype)
+    return built
 
 
 def test_sequences_joining_mid_flight_decode_what_each_decodes_alone(runner: DecoderRunner) -> None:
@@ -47,6 +60,40 @@ def test_sequences_joining_mid_flight_decode_what_each_decodes_alone(runner: Dec
             running.remove(name)
     assert produced == expected
     assert runner.caches == {}
+
+
+def test_batched_decode_of_different_lengths_gives_each_row_its_logits_alone(runner: DecoderRunner) -> None:
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (3, 11, 7, 1)]
+    alone = []
+    for row, prompt in enumerate(prompts):
+        runner.prefill(("alone", row), prompt)
+        alone.append(runner.decode([("alone", row)], [row + 5])[0])
+        runner.release(("alone", row))
+    for row, prompt in enumerate(prompts):
+        for start in range(0, len(prompt), 4):  # chunked prefill: each chunk after the cache the last one left
+            runner.prefill(row, prompt[start : start + 4])
+    batched = runner.decode(list(range(len(prompts))), [row + 5 for row in range(len(prompts))])
+    for row, prompt in enumerate(prompts):
+        assert np.abs(batched[row] - alone[row]).max() < 1e-4
+        assert runner.caches[row].tokens == len(prompt) + 1
+        assert runner.caches[row].keys[0].dtype == runner.kv_dtype
+        runner.release(row)
+    assert batched.dtype == np.float32 and np.abs(batched).max() > 0.5  # logits of unit scale: the check means more
+
+
+def test_kv_cached_decoding_equals_full_recomputation(runner: DecoderRunner) -> None:
+    tokens = np.random.default_rng(9).integers(0, 256, size=12).tolist()
+    # float32 agrees to ~1e-6; float16 keys and values may round differently when a whole prompt is recomputed.
+    tolerance = 1e-4 if runner.kv_dtype == np.float32 else 1e-3
+    cached = [runner.prefill("cached", tokens[:5])]
+    cached += [runner.decode(["cached"], [token])[0] for token in tokens[5:]]
+    runner.release("cached")
+    for end, logits in enumerate(cached, start=5):
+        full = runner.prefill("full", tokens[:end])
+        runner.release("full")
+        assert np.abs(logits - full).max() < tolerance
+        assert int(logits.argmax()) == int(full.argmax())
 
 
 def test_a_preempted_sequence_recomputed_goes_on_as_before(runner: DecoderRunner) -> None:
@@ -79,3 +126,24 @@ def test_a_config_that_does_not_fit_is_refused_naming_the_field(tmp_path: Path) 
     (good / "genai_config.json").write_text(json.dumps(config))
     with pytest.raises(GenerationConfigError, match=r"no output 'kv\.0\.k'"):
         DecoderRunner(DecoderConfig.load(good))
+    config = json.loads((folder := build_tiny_lm_version(tmp_path / "third", 1, TINY)).joinpath("genai_config.json")
+                        .read_text())  # fmt: skip
+    config["model"]["decoder"]["inputs"]["input_ids"] = "tokens"  # inputs are named as the config says
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(GenerationConfigError, match="no input 'tokens'"):
+        DecoderRunner(DecoderConfig.load(folder))
+
+
+def test_eos_token_id_may_be_a_list_of_stop_ids(tmp_path: Path) -> None:
+    folder = build_tiny_lm_version(tmp_path, 1, TINY)
+    assert DecoderConfig.load(folder).eos_ids == (257,)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = [257, 262]  # a chat model's EOS and its turn end, as builders write them
+    del config["model"]["pad_token_id"]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    loaded = DecoderConfig.load(folder)
+    assert loaded.eos_ids == (257, 262) and loaded.pad == 257
+    config["model"]["eos_token_id"] = []
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(GenerationConfigError, match="eos_token_id is an empty list"):
+        DecoderConfig.load(folder)

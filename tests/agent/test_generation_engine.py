@@ -164,6 +164,10 @@ def test_generative_telemetry_follows_the_genai_conventions(engine: GenerationEn
     assert outcomes == {(2, "local"): 1, (2, "rejected"): 1}  # the too-long one counted, once
     (total,) = points[names.KV_BLOCKS_TOTAL]
     assert total.value == engine.scheduler.blocks.total and points[names.KV_BLOCKS_USED][0].value == 0
+    (step_tokens,) = points[names.STEP_TOKENS]  # every prompt token once, then one decode per later token
+    assert step_tokens.sum == len(b"measure me") + chunks[-1].completion_tokens - 1
+    assert step_tokens.count == engine.timing.steps and tuple(step_tokens.explicit_bounds) == names.STEP_TOKEN_BUCKETS
+    assert engine.waiting_by_level() == [0, 0, 0]
     telemetry.shutdown()
 
 

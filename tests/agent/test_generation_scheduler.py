@@ -4,18 +4,21 @@ first token; and, driving the real decoder runner on tiny-lm, greedy output that
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from edge_agent.generation import BlockManager, DecoderConfig, DecoderRunner
 from edge_agent.generation.scheduler import GenerationConfig, GenerationScheduler, Rates, Sequence, StepPlan
+from edge_agent.scheduling.core import LevelPolicy
 from spillway.demo.tiny_lm import TINY, build_tiny_lm_version
 from tests.agent.lm_support import greedy_alone
 
 CONTEXT = 512
 
 
-def _scheduler(blocks: int = 64, block_size: int = 16, **config: int) -> GenerationScheduler:
+def _scheduler(blocks: int = 64, block_size: int = 16, **config: Any) -> GenerationScheduler:
     return GenerationScheduler(GenerationConfig(**config), BlockManager(blocks, block_size), Rates())
 
 
@@ -107,6 +110,85 @@ def test_a_high_priority_arrival_gets_its_first_token_within_a_few_steps_under_l
         steps += 1
     assert urgent.generated == 1 and steps <= 2
     assert any(q.state == "waiting" for q in lows)  # it preempted to get in: max_num_seqs was full
+
+
+def _first_chunks(s: GenerationScheduler, now: float | None = None) -> list[Sequence]:
+    """The waiting sequences a step starts, in the order it starts them."""
+    plan = s.step(now)
+    return [q for q, _ in plan.prefill]
+
+
+def test_priority_serves_levels_in_order_and_fifo_within_one() -> None:
+    s = _scheduler(max_num_seqs=8)
+    low, high, mid_early, mid_late = (_admit(s, 4, level=3, at=0.0), _admit(s, 4, level=1, at=0.1),
+                                      _admit(s, 4, level=2, at=0.2), _admit(s, 4, level=2, at=0.3))  # fmt: skip
+    assert _first_chunks(s) == [high, mid_early, mid_late, low]
+
+
+def test_fcfs_serves_in_arrival_order_whatever_the_level_and_preempts_the_latest() -> None:
+    s = _scheduler(max_num_seqs=2, queue_policy="fcfs")
+    low, high = _admit(s, 4, level=3, at=0.0), _admit(s, 4, level=1, at=0.1)
+    assert _first_chunks(s) == [low, high]
+    urgent = _admit(s, 4, level=1, at=0.2)
+    plan = s.step()
+    assert plan.preempted == () and urgent.state == "waiting"  # arrival order: nobody outranks a running one
+    assert s.predict_first_token_s(1, 4, now=0.3) == s.predict_first_token_s(3, 4, now=0.3)  # levels do not count
+
+
+def test_shortest_prompt_first_orders_a_level_by_prompt_left_and_keeps_levels_first() -> None:
+    s = _scheduler(max_num_seqs=8, queue_policy="shortest_prompt_first")
+    long, short, middle = _admit(s, 60, level=2, at=0.0), _admit(s, 5, level=2, at=0.1), _admit(s, 20, level=2, at=0.2)
+    urgent_long = _admit(s, 90, level=1, at=0.3)
+    assert _first_chunks(s) == [urgent_long, short, middle, long]
+    s2 = _scheduler(queue_policy="shortest_prompt_first")
+    _admit(s2, 300, level=2, at=0.0)
+    # A short prompt has nothing ahead of it at its level; under `priority` it would wait for the 300 tokens.
+    assert s2.predict_first_token_s(2, 10, now=1.0) < _scheduler_with_one_queued(300).predict_first_token_s(2, 10)
+
+
+def _scheduler_with_one_queued(prompt: int) -> GenerationScheduler:
+    s = _scheduler()
+    _admit(s, prompt, level=2)
+    return s
+
+
+def test_aging_puts_a_long_waiting_low_level_first_and_only_once_it_has_waited() -> None:
+    s = _scheduler(max_num_seqs=1, aging_s=2.0)
+    old_low = _admit(s, 4, level=3, at=0.0)
+    high = _admit(s, 4, level=1, at=1.0)
+    assert s._prefill_order(1.5) == [high, old_low]  # not aged yet
+    assert s._prefill_order(2.5) == [old_low, high]  # waited 2.5 s >= aging_s: before every level
+    assert _first_chunks(s, 2.5) == [old_low]
+    no_aging = _scheduler(max_num_seqs=1)
+    _admit(no_aging, 4, level=3, at=0.0)
+    high2 = _admit(no_aging, 4, level=1, at=1.0)
+    assert _first_chunks(no_aging, 100.0) == [high2]
+
+
+def test_a_levels_default_first_token_timeout_and_queue_cap_apply_to_requests_without_their_own() -> None:
+    policies = (LevelPolicy(default_timeout_s=0.25, allow_timeout_override=True), LevelPolicy(),
+                LevelPolicy(max_queue_size=2))  # fmt: skip
+    s = GenerationScheduler(GenerationConfig(level_policies=policies), BlockManager(256, 16),
+                            Rates(prefill_tokens_per_s=1000, step_s=0.01))  # fmt: skip
+    assert s.deadline_for(1, 10.0, None) == 10.25  # the level's default
+    assert s.deadline_for(1, 10.0, 0.1) == pytest.approx(10.1)  # a request may shorten it
+    assert s.deadline_for(1, 10.0, 5.0) == 10.25  # never lengthen it
+    assert s.deadline_for(2, 10.0, None) is None and s.deadline_for(2, 10.0, 0.5) == 10.5
+    _admit(s, 400, level=1)  # 0.4 s of prefill queued at level 1
+    late = Sequence(prompt=10, max_tokens=8, level=1, arrival=0.0, deadline=s.deadline_for(1, 0.0, None))
+    refused = s.admit(late, 0.0, context=CONTEXT)
+    assert refused is not None and refused.reason == "deadline_unmeetable"
+    _admit(s, 4, level=3), _admit(s, 4, level=3)
+    full = s.admit(Sequence(prompt=4, max_tokens=8, level=3, arrival=0.0), 0.0, context=CONTEXT)
+    assert full is not None and full.reason == "queue_full" and "level 3" in full.message
+    assert s.waiting_at(3) == 2 and s.waiting_at(1) == 1
+
+
+def test_an_unknown_queue_policy_or_mismatched_level_policies_are_refused() -> None:
+    with pytest.raises(ValueError, match="queue_policy"):
+        GenerationConfig(queue_policy="lifo")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="level_policies"):
+        GenerationConfig(levels=3, level_policies=(LevelPolicy(),))
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """`tiny-lm`, the decoder built from code for the generative path: a real onnxruntime session on it decodes with a KV
-cache exactly as full recomputation does, and a left-padded batch gives each row what it gives alone."""
+cache exactly as full recomputation does, and a left-padded batch gives each row what it gives alone. Its
+GroupQueryAttention variant has the I/O of onnxruntime-genai's builder (tests/agent/test_decoder_runner.py runs it)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,24 @@ def test_shapes_that_do_not_split_into_heads_are_refused() -> None:
         DecoderShape(width=100, heads=3)
     with pytest.raises(ValueError, match="must split"):
         DecoderShape(heads=4, kv_heads=3)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_the_gqa_variant_has_the_model_builders_io(tmp_path: Path, kv_dtype: str) -> None:
+    shape = DecoderShape(width=64, layers=2, heads=4, kv_heads=2, context=128)
+    folder = build_tiny_lm_version(tmp_path, 1, shape, attention="gqa", kv_dtype=kv_dtype)
+    decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    assert "position_ids" not in decoder["inputs"]  # the builder's GQA exports take positions from the mask
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    inputs = {i.name: i.type for i in session.get_inputs()}
+    outputs = {o.name: o.type for o in session.get_outputs()}
+    kv = "tensor(float16)" if kv_dtype == "float16" else "tensor(float)"
+    assert inputs == {"input_ids": "tensor(int64)", "attention_mask": "tensor(int64)",
+                      **{name % i: kv for i in range(shape.layers) for name in (PAST_KEY, PAST_VALUE)}}  # fmt: skip
+    assert outputs["logits"] == "tensor(float)" and outputs[PRESENT_KEY % 1] == kv
+    attention = [n for n in build_tiny_lm(shape, attention="gqa").graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attention) == shape.layers and {n.domain for n in attention} == {"com.microsoft"}
+    with pytest.raises(ValueError, match="multiple of 16"):
+        build_tiny_lm(TINY, attention="gqa")  # head size 24
+    with pytest.raises(ValueError, match="needs attention='gqa'"):
+        build_tiny_lm(TINY, kv_dtype="float16")

@@ -1,0 +1,109 @@
+"""A generative model's own config: `platform: "onnxruntime_decoder"` in Triton's model config marks it, its
+`parameters` override the agent's `generation` settings, `dynamic_batching` gives its levels and each level's default
+first-token timeout and queue cap; mistakes are refused at load naming the file and the key."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from edge_agent.config import GenerationSettings
+from edge_agent.generation.load import load_engine
+from edge_agent.runtime.config import ModelConfigError
+from edge_agent.runtime.repository import generative_models, load_repository
+from spillway.demo.tiny_lm import TINY, build_tiny_lm_version
+
+FREE = 8 << 30
+
+DECODER = """
+platform: "onnxruntime_decoder"
+parameters { key: "max_num_seqs" value { string_value: "3" } }
+parameters { key: "queue_policy" value { string_value: "shortest_prompt_first" } }
+parameters { key: "aging_s" value { string_value: "2.5" } }
+dynamic_batching {
+  priority_levels: 2
+  default_priority_level: 2
+  priority_queue_policy { key: 1 value { default_timeout_microseconds: 200000 allow_timeout_override: true } }
+  priority_queue_policy { key: 2 value { max_queue_size: 5 } }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_lm_version(tmp_path_factory.mktemp("lm") / "tiny-lm", 1, TINY).parent
+
+
+def _repository(tmp_path: Path, built: Path, config: str | None, name: str = "config.pbtxt") -> Path:
+    model = tmp_path / "repo" / "chat"
+    shutil.copytree(built, model)
+    if config is not None:
+        (model / name).write_text(config)
+    return tmp_path / "repo"
+
+
+def test_a_decoder_config_marks_the_model_generative_and_overrides_the_agents_settings(
+    tmp_path: Path, built: Path
+) -> None:
+    root = _repository(tmp_path, built, DECODER)
+    assert load_repository(root).models == {}  # not a V2 model
+    (found,) = generative_models(root).values()
+    assert found.config is not None and found.folder.name == "1"
+    engine = load_engine("chat", found.folder, GenerationSettings(max_num_seqs=8), model=found.config,
+                         free_bytes=FREE)  # fmt: skip
+    try:
+        config = engine.scheduler.config
+        assert (config.max_num_seqs, config.queue_policy, config.aging_s) == (3, "shortest_prompt_first", 2.5)
+        assert (config.levels, config.default_level) == (2, 2)
+        assert config.max_num_batched_tokens == GenerationSettings().max_num_batched_tokens  # the agent's
+        assert engine.scheduler.deadline_for(1, 0.0, None) == pytest.approx(0.2)
+        assert engine.scheduler.deadline_for(2, 0.0, None) is None
+        assert config.level_policy(2).max_queue_size == 5
+    finally:
+        engine.close()
+
+
+def test_a_model_without_a_config_is_generative_with_the_agents_settings(tmp_path: Path, built: Path) -> None:
+    (found,) = generative_models(_repository(tmp_path, built, None)).values()
+    assert found.config is None
+    engine = load_engine("chat", found.folder, GenerationSettings(queue_policy="fcfs"), free_bytes=FREE)
+    try:
+        assert engine.scheduler.config.queue_policy == "fcfs" and engine.scheduler.config.levels == 3
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ('platform: "onnxruntime_decoder"\nparameters { key: "max_num_seq" value { string_value: "3" } }',
+         r"config.pbtxt: parameters\['max_num_seq'\]: not a generation setting; did you mean 'max_num_seqs'"),
+        ('platform: "onnxruntime_decoder"\nparameters { key: "max_num_seqs" value { string_value: "many" } }',
+         r"config.pbtxt: parameters\['max_num_seqs'\]: .*integer"),
+        ('platform: "onnxruntime_decoder"\nparameters { key: "queue_policy" value { string_value: "lifo" } }',
+         r"parameters\['queue_policy'\]: .*'priority', 'fcfs' or 'shortest_prompt_first'"),
+        ('platform: "onnxruntime_decoder"\nparameters { key: "levels" value { string_value: "4" } }\n'
+         "dynamic_batching { priority_levels: 2 default_priority_level: 1 }",
+         r"parameters\['levels'\]: dynamic_batching.priority_levels sets the levels already"),
+    ],
+)  # fmt: skip
+def test_a_bad_generation_parameter_is_refused_naming_the_file_and_key(
+    tmp_path: Path, built: Path, config: str, message: str
+) -> None:
+    (found,) = generative_models(_repository(tmp_path, built, config)).values()
+    with pytest.raises(ModelConfigError, match=message):
+        load_engine("chat", found.folder, GenerationSettings(), model=found.config, free_bytes=FREE)
+
+
+def test_a_decoder_config_with_tensors_or_a_version_without_genai_config_is_refused(tmp_path: Path, built: Path) -> None:
+    tensors = 'platform: "onnxruntime_decoder"\ninput [{ name: "input_ids" data_type: TYPE_INT64 dims: [-1] }]'
+    with pytest.raises(ModelConfigError, match="field 'input': .*genai_config.json"):
+        generative_models(_repository(tmp_path / "a", built, tensors))
+    root = _repository(tmp_path / "b", built, 'platform: "onnxruntime_decoder"')
+    (root / "chat" / "2").mkdir()
+    with pytest.raises(ModelConfigError, match=r"chat/2/genai_config.json: missing"):
+        generative_models(root)
+    yaml_root = _repository(tmp_path / "c", built, "platform: onnxruntime_decoder\n", name="config.yaml")
+    assert list(generative_models(yaml_root)) == ["chat"]
