@@ -4,7 +4,9 @@ first-token timeout and queue cap; mistakes are refused at load naming the file 
 
 from __future__ import annotations
 
+import re
 import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -97,9 +99,11 @@ def test_a_bad_generation_parameter_is_refused_naming_the_file_and_key(
         load_engine("chat", found.folder, GenerationSettings(), model=found.config, free_bytes=FREE)
 
 
-def test_a_decoder_config_with_tensors_or_a_version_without_genai_config_is_refused(tmp_path: Path, built: Path) -> None:
+def test_a_decoder_config_with_tensors_or_a_version_without_genai_config_is_refused(
+    tmp_path: Path, built: Path
+) -> None:
     tensors = 'platform: "onnxruntime_decoder"\ninput [{ name: "input_ids" data_type: TYPE_INT64 dims: [-1] }]'
-    with pytest.raises(ModelConfigError, match="field 'input': .*genai_config.json"):
+    with pytest.raises(ModelConfigError, match=r"field 'input': .*genai_config.json"):
         generative_models(_repository(tmp_path / "a", built, tensors))
     root = _repository(tmp_path / "b", built, 'platform: "onnxruntime_decoder"')
     (root / "chat" / "2").mkdir()
@@ -107,3 +111,20 @@ def test_a_decoder_config_with_tensors_or_a_version_without_genai_config_is_refu
         generative_models(root)
     yaml_root = _repository(tmp_path / "c", built, "platform: onnxruntime_decoder\n", name="config.yaml")
     assert list(generative_models(yaml_root)) == ["chat"]
+
+
+def test_the_readmes_decoder_config_loads_and_every_generation_setting_is_documented(
+    tmp_path: Path, built: Path
+) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    found_block = re.search(r'```\n( *platform: "onnxruntime_decoder"\n.*?)```', readme, re.DOTALL)
+    assert found_block is not None
+    snippet = textwrap.dedent(found_block.group(1))
+    (found,) = generative_models(_repository(tmp_path, built, snippet)).values()
+    engine = load_engine("chat", found.folder, GenerationSettings(), model=found.config, free_bytes=FREE)
+    try:
+        assert engine.scheduler.deadline_for(1, 0.0, None) == pytest.approx(0.5)
+    finally:
+        engine.close()
+    missing = [key for key in GenerationSettings.model_fields if f"`{key}`" not in readme]
+    assert missing == []
