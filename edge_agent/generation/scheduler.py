@@ -29,6 +29,7 @@ engine refines with every step it runs.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from dataclasses import dataclass
@@ -215,15 +216,35 @@ class GenerationScheduler:
         return self._per_level[level - 1]
 
     def predict_first_token_s(self, level: int, prompt: int, now: float | None = None) -> float:
-        """Seconds from `now` to a new request's first token: the prefill of the waiting sequences the policy puts
-        before it (and what running sequences still have to prefill), then its own, at the measured rate, plus a
-        step. Sequences that will age past it while it waits are not foreseen."""
+        """Seconds from `now` to a new request's first token. Two things hold it back, and they overlap in time:
+        - the prefill of the waiting sequences the policy puts before it, and what running ones still have to
+          prefill, at the measured prefill rate;
+        - a free place among `max_num_seqs`: running sequences it cannot preempt keep theirs until they end (taken
+          as their `max_tokens`, so EOS can only make it earlier), and the waiting ones before it take places first.
+        Whichever is longer, then its own prefill and a step. Sequences that will age past it are not foreseen."""
         probe = Sequence(prompt=prompt, max_tokens=1, level=level, arrival=math.inf if now is None else now,
                          id=1 << 62)  # fmt: skip
         mine = self.order.key(probe, now)
-        ahead = sum(s.to_prefill for s in self._waiting if self.order.key(s, now) < mine)
-        ahead += sum(s.to_prefill for s in self.running)
-        return (ahead + prompt) / self.rates.prefill_tokens_per_s + self.rates.step_s
+        ahead = sorted(
+            (s for s in self._waiting if self.order.key(s, now) < mine), key=lambda s: self.order.key(s, now)
+        )
+        prefill_ahead = sum(s.to_prefill for s in ahead) + sum(s.to_prefill for s in self.running)
+        rates, chunk = self.rates, self.config.long_prefill_threshold
+        mine_level = self.order.level(probe, now)
+        holding = [s for s in self.running
+                   if not (self.order.ranks_levels and self.order.level(s, now) > mine_level)]  # fmt: skip
+        places = [self._steps_left(s, chunk) for s in holding[: self.config.max_num_seqs]]
+        places += [0] * (self.config.max_num_seqs - len(places))
+        heapq.heapify(places)
+        for sequence in ahead:  # each takes the first place to free, for as long as it will run
+            heapq.heapreplace(places, places[0] + self._steps_left(sequence, chunk))
+        wait_s = max(prefill_ahead / rates.prefill_tokens_per_s, places[0] * rates.step_s)
+        return wait_s + prompt / rates.prefill_tokens_per_s + rates.step_s
+
+    @staticmethod
+    def _steps_left(sequence: Sequence, chunk: int) -> int:
+        """Steps a sequence still holds its place for, at most: its prompt's chunks, then a token a step."""
+        return -(-sequence.to_prefill // chunk) + max(sequence.max_tokens - sequence.generated, 0)
 
     def admit(self, sequence: Sequence, now: float, *, context: int) -> Rejection | None:
         """Queue a new sequence, or say at once why not (before any token)."""

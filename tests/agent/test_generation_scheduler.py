@@ -98,6 +98,31 @@ def test_admission_refuses_what_cannot_make_its_first_token_deadline() -> None:
         s.admit(Sequence(prompt=500, max_tokens=100, level=2, arrival=0.0), 0.0, context=CONTEXT)
 
 
+def test_admission_counts_the_wait_for_a_place_among_max_num_seqs() -> None:
+    def busy(policy: str) -> GenerationScheduler:
+        s = GenerationScheduler(GenerationConfig(max_num_seqs=2, queue_policy=policy),  # type: ignore[arg-type]
+                                BlockManager(256, 16), Rates(prefill_tokens_per_s=1000, step_s=0.01))  # fmt: skip
+        for at in (0.0, 0.1):
+            _admit(s, 8, level=3, at=at, max_tokens=100)
+        _run(s, s.step())  # both prefilled: each holds its place for 99 more tokens, about 1 s
+        return s
+
+    s = busy("priority")
+    assert s.predict_first_token_s(3, 8, now=1.0) == pytest.approx(0.99 + 0.008 + 0.01)
+    late = Sequence(prompt=8, max_tokens=8, level=3, arrival=1.0, deadline=1.5)
+    refused = s.admit(late, 1.0, context=CONTEXT)
+    assert refused is not None and refused.reason == "deadline_unmeetable"  # no prefill queued: the places are full
+    urgent = Sequence(prompt=8, max_tokens=8, level=1, arrival=1.0, deadline=1.5)
+    assert s.admit(urgent, 1.0, context=CONTEXT) is None  # it may preempt a level-3 sequence: no wait for a place
+    queued = Sequence(prompt=8, max_tokens=50, level=2, arrival=1.1)
+    assert s.admit(queued, 1.1, context=CONTEXT) is None
+    # A level-3 arrival now waits for the two queued before it as well: the first place frees after 99 steps and
+    # goes to the level-1 one (9 steps), the second to the level-2 one; the first to free after that is its own.
+    assert s.predict_first_token_s(3, 8, now=1.2) == pytest.approx(1.08 + 0.008 + 0.01)
+    fcfs = busy("fcfs")  # arrival order: a level-1 request cannot preempt and waits like the others
+    assert fcfs.predict_first_token_s(1, 8, now=1.0) == pytest.approx(0.99 + 0.008 + 0.01)
+
+
 def test_a_high_priority_arrival_gets_its_first_token_within_a_few_steps_under_load() -> None:
     s = _scheduler(blocks=512, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_threshold=32)
     lows = [_admit(s, 200, level=3, at=i * 0.01, max_tokens=64) for i in range(8)]
