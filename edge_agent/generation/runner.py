@@ -6,8 +6,7 @@ Each sequence keeps its own cache, one array per layer for keys and one for valu
 
 - `prefill(sequence, tokens)`: a prompt, or a chunk of one, for one sequence, after what it holds already;
 - `decode(sequences, tokens)`: one token for each of many sequences in one session call. The caches of different
-  lengths are padded to the longest (mask 0 on the padding), so every row computes what it would alone; each row's
-  cache is then cut back to its own tokens.
+  lengths are padded to the longest (mask 0 on the padding), so every row computes what it would alone.
 
 Where the padding goes depends on the attention the graph is built from (`DecoderRunner.padding`):
 
@@ -19,19 +18,29 @@ Where the padding goes depends on the attention the graph is built from (`Decode
   the rotary position from there. Its caches are RIGHT-padded; left-padded, the shorter rows attend to the padding
   and miss their last tokens (logits off by ~1 on a random Llama). Such exports have no `position_ids` input.
 
+The decode batch persists between steps. While the same sequences decode in the same order (the steady state), last
+step's `present` arrays are the next step's past as they are, the mask one column wider: nothing is copied outside
+the session call. When who decodes changes (a sequence joins after its prefill, leaves, is released or prefilled
+again), the batch is rebuilt once from the rows that stay and the caches of those that join, with the padding
+columns that every row has trimmed (`rebuilds` counts them). A sequence in the batch has no arrays of its own: its
+`SequenceCache` reads its row, and the row is copied out only when it leaves the batch without being released or is
+prefilled again. A released row's data lives in the batch until the next rebuild (or goes with the batch when no row
+is left). Chunks and the decode batch stay two session calls: a chunk row would pad every decode row to the chunk's
+length (2.5-9x the time of two calls on the BENCH tiny-lm with chunks of 16-128 tokens), and GroupQueryAttention
+writes every row's new tokens contiguously after its past, so it cannot hold padded decode rows at all.
+
 The KV arrays have the model's type (float32 or float16, from its past input), the integer inputs too; an input the
 model lacks (`position_ids`) is not fed.
 
-Both return the logits of each sequence's last token. The gather and scatter of the caches around a decode call
-are the copies this layout costs (measured by the benchmark); a persistent batch buffer can replace them later
-without changing this interface. Not thread-safe: one engine thread owns a runner.
+Both return the logits of each sequence's last token. Not thread-safe: one engine thread owns a runner.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,6 +76,7 @@ class DecoderConfig:
 
     @property
     def kv(self) -> KvShape:
+        """At 4 bytes a value: the config does not say the export's type; `DecoderRunner.kv` does."""
         return KvShape(self.layers, self.kv_heads, self.head_size)
 
     @classmethod
@@ -130,22 +140,74 @@ def _padding_side(path: Path) -> Literal["left", "right"]:
     return "right" if any(node.op_type == "GroupQueryAttention" for node in graph.node) else "left"
 
 
-@dataclass
-class SequenceCache:
-    """One sequence's KV cache: per layer, keys and values [1, kv_heads, tokens, head_size]."""
+_GONE = object()  # a batch row whose sequence left it (released, or prefilled again): the next decode rebuilds
 
-    keys: list[np.ndarray] = field(default_factory=list)
-    values: list[np.ndarray] = field(default_factory=list)
+
+class _Batch:
+    """The decode batch kept between steps: per layer keys and values [rows, kv_heads, width, head_size] (last step's
+    `present`, the next step's past), each row's token count, and which sequence each row is."""
+
+    __slots__ = ("caches", "keys", "lengths", "members", "padding", "values")
+
+    def __init__(self, members: list[Any], caches: list[SequenceCache], lengths: np.ndarray, keys: list[np.ndarray],
+                 values: list[np.ndarray], padding: Literal["left", "right"]) -> None:  # fmt: skip
+        self.members = members  # _GONE where the row's sequence left
+        self.caches = caches
+        self.lengths = lengths  # int64 [rows]
+        self.keys = keys
+        self.values = values
+        self.padding = padding
+
+    def span(self, row: int) -> slice:
+        """The columns that hold the row's tokens."""
+        width, held = int(self.keys[0].shape[2]), int(self.lengths[row])
+        return slice(0, held) if self.padding == "right" else slice(width - held, width)
+
+
+class SequenceCache:
+    """One sequence's KV cache: per layer, keys and values [1, kv_heads, tokens, head_size]. Arrays of its own, or,
+    while the sequence decodes in the runner's batch, views of its row there (read-only; valid for that step)."""
+
+    __slots__ = ("_keys", "_slot", "_values")
+
+    def __init__(self) -> None:
+        self._keys: list[np.ndarray] = []
+        self._values: list[np.ndarray] = []
+        self._slot: tuple[_Batch, int] | None = None  # its row in the decode batch
 
     @property
     def tokens(self) -> int:
-        return 0 if not self.keys else int(self.keys[0].shape[2])
+        if self._slot is not None:
+            batch, row = self._slot
+            return int(batch.lengths[row])
+        return 0 if not self._keys else int(self._keys[0].shape[2])
+
+    @property
+    def keys(self) -> list[np.ndarray]:
+        if self._slot is None:
+            return self._keys
+        batch, row = self._slot
+        return [k[row : row + 1, :, batch.span(row)] for k in batch.keys]
+
+    @property
+    def values(self) -> list[np.ndarray]:
+        if self._slot is None:
+            return self._values
+        batch, row = self._slot
+        return [v[row : row + 1, :, batch.span(row)] for v in batch.values]
+
+    def _own(self, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
+        self._keys, self._values, self._slot = keys, values, None
+
+    def _join(self, batch: _Batch, row: int) -> None:
+        self._keys, self._values, self._slot = [], [], (batch, row)  # its own arrays go: the row holds its tokens
 
 
 class DecoderRunner:
     """One onnxruntime session on a decoder, and the caches of the sequences it runs."""
 
-    def __init__(self, config: DecoderConfig, *, threads: int = 1, providers: list[str] | None = None) -> None:
+    def __init__(self, config: DecoderConfig, *, threads: int = 1,
+                 providers: Sequence[str | tuple[str, dict[str, str]]] | None = None) -> None:  # fmt: skip
         import onnxruntime as ort  # deferred: importing the generation package does not load onnxruntime
 
         options = ort.SessionOptions()
@@ -154,7 +216,7 @@ class DecoderRunner:
         self.config = config
         try:
             self.session = ort.InferenceSession(str(config.path), options,
-                                                providers=providers or ["CPUExecutionProvider"])  # fmt: skip
+                                                providers=list(providers or ["CPUExecutionProvider"]))  # fmt: skip
         except Exception as exc:  # onnxruntime's own errors have no common base worth naming
             raise GenerationConfigError(f"{config.path}: onnxruntime cannot load it: {exc}") from None
         self._outputs = [o.name for o in self.session.get_outputs()]
@@ -183,6 +245,13 @@ class DecoderRunner:
         self.caches: dict[Any, SequenceCache] = {}
         self._empty = np.zeros((1, config.kv_heads, 0, config.head_size), self.kv_dtype)
         self.run_s = 0.0  # seconds in session.run, all calls: the model's share of a step
+        self._batch: _Batch | None = None  # the decode batch of the last step
+        self.rebuilds = 0  # decode batches gathered from the caches: one each time who decodes changed
+
+    @property
+    def kv(self) -> KvShape:
+        """What one token costs in this model's cache, at the KV arrays' own type (2 bytes a value in float16)."""
+        return replace(self.config.kv, dtype_bytes=self.kv_dtype.itemsize)
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, past: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
         c = self.config
@@ -210,45 +279,84 @@ class DecoderRunner:
         if not tokens:
             raise ValueError("a prefill needs at least one token")
         cache = self.caches.setdefault(sequence, SequenceCache())
+        self._leave(cache, keep=True)  # its row would be stale: the next decode rebuilds the batch
         held = cache.tokens
-        past = [(cache.keys[i], cache.values[i]) for i in range(self.config.layers)] if held else [
+        past = list(zip(cache.keys, cache.values, strict=True)) if held else [
             (self._empty, self._empty)] * self.config.layers  # fmt: skip
         ids = np.asarray([tokens], np.int64)
         found = self._run(ids, np.ones((1, held + len(tokens)), np.int64), past)
         presents = self._presents(found)
-        cache.keys = [k for k, _ in presents]
-        cache.values = [v for _, v in presents]
+        cache._own([k for k, _ in presents], [v for _, v in presents])
         return np.asarray(found[self.config.names["logits"]][0, -1], np.float32)
 
     def decode(self, sequences: list[Any], tokens: list[int]) -> np.ndarray:
         """One token for each sequence (each holds a cache already), in one call; logits [len(sequences), vocab]."""
+        if not sequences:
+            raise ValueError("a decode needs at least one sequence")
+        batch = self._batch
+        if batch is None or batch.padding != self.padding or batch.members != list(sequences):
+            batch = self._rebuild(sequences)
+        # The steady state: last step's presents are this step's past; each row gains its new token's column.
+        lengths = batch.lengths + 1
+        columns = np.arange(batch.keys[0].shape[2] + 1)
+        if batch.padding == "right":
+            mask = columns[None, :] < lengths[:, None]
+        else:
+            mask = columns[None, :] >= (len(columns) - lengths)[:, None]
+        found = self._run(np.asarray(tokens, np.int64)[:, None], mask.astype(np.int64),
+                          list(zip(batch.keys, batch.values, strict=True)))  # fmt: skip
+        presents = self._presents(found)
+        # A GroupQueryAttention present is max(total_sequence_length, past) wide: the mask's width here, as concat's.
+        batch.keys, batch.values = [k for k, _ in presents], [v for _, v in presents]
+        batch.lengths = lengths
+        return np.asarray(found[self.config.names["logits"]][:, -1], np.float32)
+
+    def _rebuild(self, sequences: list[Any]) -> _Batch:
+        """A new decode batch for `sequences`: their rows gathered (from the old batch or their own arrays) and
+        padded to the longest; who was in the old batch and is not in this one gets its row copied out."""
         c = self.config
         caches = [self.caches[s] for s in sequences]
-        lengths = [cache.tokens for cache in caches]
-        longest = max(lengths)
-        batch = len(sequences)
-        right = self.padding == "right"
-        # Row r's past lies at `held[r]`, its new token's mask column is 1; `kept[r]` is where its present lies after.
-        held = [slice(0, n) if right else slice(longest - n, longest) for n in lengths]
-        kept = [slice(0, n + 1) if right else slice(longest - n, longest + 1) for n in lengths]
-        mask = np.zeros((batch, longest + 1), np.int64)
-        for row, where in enumerate(kept):
-            mask[row, where] = 1
-        past: list[tuple[np.ndarray, np.ndarray]] = []
-        for i in range(c.layers):
-            keys = np.zeros((batch, c.kv_heads, longest, c.head_size), self.kv_dtype)
-            values = np.zeros_like(keys)
-            for row, cache in enumerate(caches):
-                keys[row, :, held[row]] = cache.keys[i][0]
-                values[row, :, held[row]] = cache.values[i][0]
-            past.append((keys, values))
-        found = self._run(np.asarray(tokens, np.int64)[:, None], mask, past)
-        presents = self._presents(found)
+        if len({id(cache) for cache in caches}) != len(caches):
+            raise ValueError("a sequence decodes once per step")
+        lengths = np.asarray([cache.tokens for cache in caches], np.int64)
+        width = int(lengths.max())
+        shape = (len(caches), c.kv_heads, width, c.head_size)
+        keys = [np.zeros(shape, self.kv_dtype) for _ in range(c.layers)]
+        values = [np.zeros(shape, self.kv_dtype) for _ in range(c.layers)]
         for row, cache in enumerate(caches):
-            cache.keys = [np.ascontiguousarray(k[row : row + 1, :, kept[row]]) for k, _ in presents]
-            cache.values = [np.ascontiguousarray(v[row : row + 1, :, kept[row]]) for _, v in presents]
-        return np.asarray(found[c.names["logits"]][:, -1], np.float32)
+            held = int(lengths[row])
+            at = slice(0, held) if self.padding == "right" else slice(width - held, width)
+            for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
+                keys[i][row, :, at] = k[0]
+                values[i][row, :, at] = v[0]
+        old = self._batch
+        if old is not None:
+            staying = {id(cache) for cache in caches}
+            for cache in old.caches:
+                if cache._slot is not None and cache._slot[0] is old and id(cache) not in staying:
+                    self._leave(cache, keep=True)
+        batch = _Batch(list(sequences), caches, lengths, keys, values, self.padding)
+        for row, cache in enumerate(caches):
+            cache._join(batch, row)
+        self._batch = batch
+        self.rebuilds += 1
+        return batch
 
     def release(self, sequence: Any) -> None:
         """Forget a sequence's cache (it ended, or was preempted: a recompute starts from its tokens again)."""
-        self.caches.pop(sequence, None)
+        cache = self.caches.pop(sequence, None)
+        if cache is not None:
+            self._leave(cache, keep=False)
+
+    def _leave(self, cache: SequenceCache, *, keep: bool) -> None:
+        """Take a sequence out of the decode batch: its row copied out when it `keep`s its cache (copies, so that the
+        batch's arrays can go), else dropped; a batch with no row left goes at once."""
+        if cache._slot is None:
+            return
+        batch, row = cache._slot
+        if keep:
+            cache._own([k.copy() for k in cache.keys], [v.copy() for v in cache.values])
+        cache._slot = None
+        batch.members[row] = _GONE
+        if batch is self._batch and all(member is _GONE for member in batch.members):
+            self._batch = None

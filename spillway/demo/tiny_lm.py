@@ -101,8 +101,8 @@ class _Graph:
         self.initializers.append(self.numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
         return name
 
-    def op(self, kind: str, *inputs: str, hint: str | None = None, **attributes: Any) -> str:
-        out = self.name(hint or kind.lower())
+    def op(self, kind: str, *inputs: str, hint: str | None = None, output: str | None = None, **attributes: Any) -> str:
+        out = output or self.name(hint or kind.lower())
         self.nodes.append(self.helper.make_node(kind, list(inputs), [out], **attributes))
         return out
 
@@ -135,7 +135,6 @@ def build_tiny_lm(shape: DecoderShape = TINY, *, seed: int = SEED, attention: st
         return _build_gqa(g, shape, rng, weight, half=kv_dtype == "float16")
     i64 = np.int64
     zero, one = g.const([0], "zero", i64), g.const([1], "one", i64)
-    two = g.const([2], "two", i64)
     tokens = g.op("Gather", g.const(rng.standard_normal((shape.vocab, width)) * 0.5, "wte"), "input_ids")
     positions = g.op("Gather", g.const(rng.standard_normal((shape.context, width)) * 0.1, "wpe"), "position_ids")
     x = g.op("Add", tokens, positions, hint="embed")
@@ -163,24 +162,32 @@ def build_tiny_lm(shape: DecoderShape = TINY, *, seed: int = SEED, attention: st
         shaped = g.op("Reshape", value, g.const([0, 0, count, head], "heads_shape", i64))
         return g.op("Transpose", shaped, perm=[0, 2, 1, 3])
 
-    outputs: list[tuple[str, str]] = []
     for i in range(shape.layers):
         normed = layer_norm(x, f"ln{i}a")
         q = split_heads(g.op("MatMul", normed, weight(width, heads * head, f"wq{i}")), heads)
         k = split_heads(g.op("MatMul", normed, weight(width, kv_heads * head, f"wk{i}")), kv_heads)
         v = split_heads(g.op("MatMul", normed, weight(width, kv_heads * head, f"wv{i}")), kv_heads)
-        present_k = g.op("Concat", PAST_KEY % i, k, axis=2, hint=f"present_k{i}")
-        present_v = g.op("Concat", PAST_VALUE % i, v, axis=2, hint=f"present_v{i}")
-        outputs.append((present_k, present_v))
-        # Grouped-query attention: each KV head serves heads / kv_heads query heads.
+        # The graph's outputs are the Concat's own (no Identity copy of the cache).
+        present_k = g.op("Concat", PAST_KEY % i, k, axis=2, output=PRESENT_KEY % i)
+        present_v = g.op("Concat", PAST_VALUE % i, v, axis=2, output=PRESENT_VALUE % i)
+        # Grouped-query attention: each KV head serves heads / kv_heads query heads. The query heads of a group
+        # share one matrix product with their KV head, and the cache is never transposed or repeated: the scores
+        # come out as K q^T [b, kv, t, groups * s] and only they are transposed.
         groups = heads // kv_heads
-        qg = g.op("Reshape", q, g.op("Concat", g.op("Slice", ids_shape, zero, one),
-                                     g.const([kv_heads, groups], "groups", i64), seq, g.const([head], "head", i64),
-                                     axis=0))  # fmt: skip  # [b, kv, groups, s, head]
-        kt = g.op("Unsqueeze", g.op("Transpose", present_k, perm=[0, 1, 3, 2]), two)  # [b, kv, 1, head, t]
-        scores = g.op("Mul", g.op("MatMul", qg, kt), scale)  # [b, kv, groups, s, t]
+        batch = g.op("Slice", ids_shape, zero, one)
+        kv_group = g.const([kv_heads, groups], "groups", i64)
+        head_dim = g.const([head], "head", i64)
+        qg = g.op("Reshape", q, g.op("Concat", batch, kv_group, seq, head_dim, axis=0))  # [b, kv, groups, s, head]
+        qt = g.op("Reshape", g.op("Transpose", qg, perm=[0, 1, 4, 2, 3]),
+                  g.const([0, kv_heads, head, -1], "qt_shape", i64))  # fmt: skip  # [b, kv, head, groups * s]
+        scores_t = g.op("MatMul", present_k, qt)  # [b, kv, t, groups * s]
+        scores_t = g.op("Reshape", scores_t, g.op("Concat", batch, g.const([kv_heads, -1, groups], "st_shape", i64),
+                                                  seq, axis=0))  # fmt: skip  # [b, kv, t, groups, s]
+        scores = g.op("Mul", g.op("Transpose", scores_t, perm=[0, 1, 3, 4, 2]), scale)  # [b, kv, groups, s, t]
         scores = g.op("Where", g.op("Unsqueeze", allowed, one), scores, blocked)
-        attended = g.op("MatMul", g.op("Softmax", scores, axis=-1), g.op("Unsqueeze", present_v, two))
+        probs = g.op("Reshape", g.op("Softmax", scores, axis=-1), g.op("Concat", batch, g.const([kv_heads, -1],
+                     "probs_shape", i64), total, axis=0))  # fmt: skip  # [b, kv, groups * s, t]
+        attended = g.op("MatMul", probs, present_v)  # [b, kv, groups * s, head]
         merged = g.op("Reshape", g.op("Transpose", g.op("Reshape", attended, g.op(
             "Concat", g.op("Slice", ids_shape, zero, one), g.const([heads], "nheads", i64), seq,
             g.const([head], "head", i64), axis=0)), perm=[0, 2, 1, 3]),
@@ -192,12 +199,7 @@ def build_tiny_lm(shape: DecoderShape = TINY, *, seed: int = SEED, attention: st
         inner = g.op("Mul", g.op("Add", hidden, cubic), g.const(np.sqrt(2 / np.pi)))
         gelu = g.op("Mul", g.op("Mul", hidden, g.const(0.5)), g.op("Add", g.op("Tanh", inner), g.const(1.0)))
         x = g.op("Add", x, g.op("MatMul", gelu, weight(shape.mlp * width, width, f"w2{i}")), hint=f"mlp_res{i}")
-    logits = g.op("MatMul", layer_norm(x, "ln_f"), weight(width, shape.vocab, "lm_head"))
-
-    renamed = [helper.make_node("Identity", [logits], ["logits"])]
-    for i, (k, v) in enumerate(outputs):
-        renamed += [helper.make_node("Identity", [k], [PRESENT_KEY % i]),
-                    helper.make_node("Identity", [v], [PRESENT_VALUE % i])]  # fmt: skip
+    g.op("MatMul", layer_norm(x, "ln_f"), weight(width, shape.vocab, "lm_head"), output="logits")
     kv: list[str | int | None] = ["batch", kv_heads, "past_sequence_length", head]
     present: list[str | int | None] = ["batch", kv_heads, "total_sequence_length", head]
     inputs = [
@@ -211,7 +213,7 @@ def build_tiny_lm(shape: DecoderShape = TINY, *, seed: int = SEED, attention: st
                    helper.make_tensor_value_info(PAST_VALUE % i, TensorProto.FLOAT, kv)]  # fmt: skip
         outs += [helper.make_tensor_value_info(PRESENT_KEY % i, TensorProto.FLOAT, present),
                  helper.make_tensor_value_info(PRESENT_VALUE % i, TensorProto.FLOAT, present)]  # fmt: skip
-    graph = helper.make_graph(g.nodes + renamed, TINY_LM, inputs, outs, g.initializers)
+    graph = helper.make_graph(g.nodes, TINY_LM, inputs, outs, g.initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="spillway")
     model.ir_version = IR_VERSION
     onnx.checker.check_model(model)

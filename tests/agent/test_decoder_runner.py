@@ -1,6 +1,7 @@
 """The decoder runner on a real onnxruntime session: sequences that join mid-flight, with prompts of different
 lengths and prefilled in chunks, decode in one batch exactly what each decodes alone (continuous batching keeps
-greedy output unchanged), and a preempted sequence recomputed from its tokens goes on as if never preempted.
+greedy output unchanged), and a preempted sequence recomputed from its tokens goes on as if never preempted. The
+decode batch persists between steps: it is gathered again only when who decodes changes, and what leaves it is freed.
 
 Each runs on tiny-lm's two attentions: MatMul and a mask (left-padded batches), and onnxruntime's GroupQueryAttention
 as onnxruntime-genai's model builder emits it (right-padded batches, no position_ids, a float16 KV cache too)."""
@@ -8,11 +9,14 @@ as onnxruntime-genai's model builder emits it (right-padded batches, no position
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from edge_agent.config import GenerationSettings
+from edge_agent.generation.load import load_engine
 from edge_agent.generation.runner import DecoderConfig, DecoderRunner, GenerationConfigError
 from spillway.demo.tiny_lm import TINY, DecoderShape, build_tiny_lm_version
 from tests.agent.lm_support import greedy_alone
@@ -31,7 +35,103 @@ def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     built = DecoderRunner(DecoderConfig.load(folder))
     assert built.padding == ("left" if attention == "matmul" else "right")
     assert built.kv_dtype == np.dtype(kv_dtype)
+    assert built.kv.bytes_per_token == 2 * shape.layers * shape.kv_heads * shape.head_size * built.kv_dtype.itemsize
     return built
+
+
+def _alone(runner: DecoderRunner, prompt: list[int], steps: int) -> list[np.ndarray]:
+    """The logits of each of `steps` greedy tokens of `prompt` decoded alone (the first from its prefill)."""
+    logits = [runner.prefill("alone", prompt)]
+    while len(logits) < steps:
+        logits.append(runner.decode(["alone"], [int(logits[-1].argmax())])[0])
+    runner.release("alone")
+    return logits
+
+
+def test_the_batch_is_gathered_only_when_who_decodes_changes_and_every_row_decodes_as_alone(
+    runner: DecoderRunner,
+) -> None:
+    rng = np.random.default_rng(11)
+    prompts = {name: rng.integers(0, 256, size=n).tolist() for name, n in (("a", 6), ("b", 21), ("c", 3), ("d", 13),
+                                                                            ("e", 9))}  # fmt: skip
+    steps = 12
+    tolerance = 1e-4 if runner.kv_dtype == np.float32 else 1e-3
+    alone = {name: _alone(runner, prompt, steps) for name, prompt in prompts.items()}
+    joins = {"a": 0, "b": 0, "c": 2, "d": 5, "e": 9}
+    preempt = {"b": 6}  # released, and prefilled again from its tokens at the next step (the engine's recompute)
+    pause = {
+        "c": (7, 8)
+    }  # kept, but not decoded at these steps (a short token budget): it leaves the batch and returns
+    produced: dict[str, list[int]] = {name: [] for name in prompts}
+    running: list[str] = []
+    recompute: list[str] = []
+    rebuilds, changes, decodes, last = runner.rebuilds, 0, 0, None
+    for step in range(30):
+        touched = False  # a sequence of the batch was released or prefilled: its row is stale
+        for name in recompute:
+            known = prompts[name] + produced[name][:-1]
+            for start in range(0, len(known), 8):
+                runner.prefill(name, known[start : start + 8])
+            running.append(name)
+        recompute.clear()
+        for name in [n for n, at in joins.items() if at == step]:
+            for start in range(0, len(prompts[name]), 8):  # chunked prefill beside the running decode
+                logits = runner.prefill(name, prompts[name][start : start + 8])
+            assert np.abs(logits - alone[name][0]).max() < tolerance
+            produced[name].append(int(logits.argmax()))
+            running.append(name)
+        for name in [n for n, at in preempt.items() if at == step]:
+            runner.release(name)
+            running.remove(name)
+            recompute.append(name)
+            touched = True
+        active = [n for n in running if len(produced[n]) < steps and step not in pause.get(n, ())]
+        if active:
+            changes += active != last or touched
+            logits = runner.decode(active, [produced[n][-1] for n in active])
+            decodes += 1
+            for row, name in enumerate(active):
+                assert np.abs(logits[row] - alone[name][len(produced[name])]).max() < tolerance, (step, name)
+                produced[name].append(int(logits[row].argmax()))
+                assert runner.caches[name].tokens == len(prompts[name]) + len(produced[name]) - 1
+            last = active
+        for name in [n for n in running if len(produced[n]) >= steps]:
+            runner.release(name)
+            running.remove(name)
+    assert produced == {name: [int(lg.argmax()) for lg in logits] for name, logits in alone.items()}
+    assert runner.caches == {}
+    assert runner.rebuilds - rebuilds == changes  # every other step fed last step's presents as they were
+    assert (changes, decodes) == (10, 20)
+
+
+def test_what_leaves_the_batch_keeps_none_of_it_alive(runner: DecoderRunner) -> None:
+    for row, n in enumerate((5, 9, 2)):
+        runner.prefill(row, list(range(10, 10 + n)))
+    prefilled = weakref.ref(runner.caches[2].keys[0])
+    runner.decode([0, 1, 2], [1, 2, 3])
+    assert prefilled() is None  # in the batch, its row holds its tokens: the array of its prefill went
+    runner.release(0)
+    runner.decode([1, 2], [4, 5])
+    kept = runner.caches[2].keys[0].copy()
+    runner.decode([1], [6])  # 2 leaves the batch but keeps its cache: a copy of its own, not a view of the batch
+    assert runner.caches[2].keys[0].base is None and np.array_equal(runner.caches[2].keys[0], kept)
+    assert runner.caches[2].tokens == 4 and runner.caches[1].tokens == 12
+    batch = weakref.ref(runner.caches[1].keys[0].base)  # the batch's array: a sequence in it reads a view of it
+    runner.release(1)
+    assert batch() is None  # nobody is left in the batch: it went at once, not at some later decode
+    runner.release(2)
+    assert runner.caches == {}
+
+
+def test_the_kv_budget_counts_the_exports_own_bytes_per_value(tmp_path: Path) -> None:
+    settings = GenerationSettings(kv_budget_bytes=64 * 16 * GQA_SHAPE.kv_bytes_per_token, block_size=16)
+    blocks = {}
+    for kv_dtype in ("float32", "float16"):
+        folder = build_tiny_lm_version(tmp_path / kv_dtype, 1, GQA_SHAPE, attention="gqa", kv_dtype=kv_dtype)
+        pool = load_engine("lm", folder, settings, free_bytes=1 << 30)
+        blocks[kv_dtype] = pool.instances[0].scheduler.blocks.total
+        pool.close()
+    assert blocks == {"float32": 64, "float16": 128}  # 2 bytes a value: twice the tokens in the same bytes
 
 
 def test_sequences_joining_mid_flight_decode_what_each_decodes_alone(runner: DecoderRunner) -> None:
