@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from edge_agent.generation.runner import DecoderRunner
 from edge_agent.generation.sampling import Sampler, SamplingParams
@@ -186,6 +186,18 @@ class GenerationEngine:
         stream.job = job
         self._wake.set()
         return stream
+
+    def predict_first_token_s(self, request: GenerationRequest) -> float:
+        """Seconds to the request's first token were it admitted now (ValueError for a priority out of range)."""
+        with self._lock:
+            level = self.scheduler.resolve_level(request.priority)
+            return self.scheduler.predict_first_token_s(level, len(request.prompt), time.monotonic())
+
+    @property
+    def load(self) -> int:
+        """Sequences running or waiting."""
+        with self._lock:
+            return len(self.scheduler.running) + self.scheduler.waiting
 
     def refused(self, level: int = 0) -> None:
         """Count a request refused before any token (by admission, or as invalid: level 0)."""
@@ -373,7 +385,7 @@ class GenerationEngine:
         with self._lock:
             return [self.scheduler.waiting_at(level) for level in range(1, self.scheduler.config.levels + 1)]
 
-    def json(self) -> dict[str, object]:
+    def json(self) -> dict[str, Any]:
         with self._lock:
             return {"running": len(self.scheduler.running), "waiting": self.scheduler.waiting,
                     "kv_blocks": self.scheduler.blocks.json(), "preemptions": self.scheduler.preemptions,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import pydantic
@@ -17,10 +18,12 @@ import pydantic
 from edge_agent.config import GenerationSettings
 from edge_agent.generation.blocks import BlockManager, KvBudgetError, blocks_for_budget
 from edge_agent.generation.engine import GenerationEngine
+from edge_agent.generation.pool import EnginePool
 from edge_agent.generation.runner import DecoderConfig, DecoderRunner
 from edge_agent.generation.scheduler import GenerationConfig, GenerationScheduler
 from edge_agent.generation.text import TextCodec
 from edge_agent.runtime.config import ModelConfigError
+from edge_agent.runtime.runner import PREFERRED_PROVIDERS, RunnerError, choose_providers, provider_options
 from edge_agent.scheduling.core import level_policies
 from spillway.contract.spec import ModelConfig
 
@@ -57,34 +60,70 @@ def generation_settings(agent: GenerationSettings, model: ModelConfig | None) ->
 
 
 def load_engine(name: str, folder: Path, agent_settings: GenerationSettings, *, model: ModelConfig | None = None,
-                threads: int = 0, free_bytes: int | None = None) -> GenerationEngine:  # fmt: skip
-    """The engine of the model in `folder` (one version's directory), with the agent config's `generation`
-    settings and what its model config says instead; raises ModelConfigError naming what does not fit."""
+                threads: int = 0, free_bytes: int | None = None, providers: Sequence[str] | None = None,
+                device_id: int = 0, gpu_mem_limit: int | None = None) -> EnginePool:  # fmt: skip
+    """The engines of the model in `folder` (one version's directory): one per instance (its config's
+    `instance_group` count; one without a config), each with its own session and an even share of the KV budget,
+    with the agent config's `generation` settings and what its model config says instead; raises ModelConfigError
+    naming what does not fit.
+
+    Providers: the agent's `providers` where given, else CUDA then CPU, whichever is installed (not TensorRT by
+    default: a decoder's shapes change at every step, and each new shape would build a TensorRT engine). On a GPU
+    provider the KV budget's share is of the GPU's free memory (NVML), else of the host's (MemAvailable; a Jetson's
+    GPU shares it)."""
     settings = generation_settings(agent_settings, model)
     batching = None if model is None else model.dynamic_batching
-    if free_bytes is None:
-        from edge_agent.runtime.memory import available_host_memory
+    count = 1 if model is None else model.instance_count
+    chosen = _providers(providers, device_id, gpu_mem_limit)
+    engines = []
+    for index in range(count):
+        try:
+            config = DecoderConfig.load(folder)
+            text = TextCodec.load(folder)
+            runner = DecoderRunner(config, threads=threads, providers=chosen)
+            free = free_bytes if free_bytes is not None else _free_memory(runner, device_id)
+            budget = None if settings.kv_budget_bytes is None else settings.kv_budget_bytes // count
+            blocks = blocks_for_budget(runner.kv, settings.block_size, context=config.context, budget_bytes=budget,
+                                       share=None if budget else settings.kv_budget_share / count,
+                                       free_bytes=free)  # fmt: skip
+        except (KvBudgetError, ValueError) as exc:
+            raise ModelConfigError(f"generative model {name!r}: {exc}") from None
+        scheduler = GenerationScheduler(
+            GenerationConfig(max_num_seqs=settings.max_num_seqs,
+                             max_num_batched_tokens=settings.max_num_batched_tokens,
+                             long_prefill_threshold=settings.long_prefill_threshold, levels=settings.levels,
+                             default_level=settings.default_level, queue_policy=settings.queue_policy,
+                             aging_s=settings.aging_s,
+                             level_policies=level_policies(batching) if batching and batching.priority_levels else ()),
+            BlockManager(blocks, settings.block_size),
+        )  # fmt: skip
+        log.info("generative model %s instance %d of %d on %s: %d KV blocks of %d tokens (%d bytes a token), "
+                 "context %d", name, index + 1, count, runner.session.get_providers()[0], blocks, settings.block_size,
+                 runner.kv.bytes_per_token, config.context)  # fmt: skip
+        engines.append(GenerationEngine(name, runner, text, scheduler, context=config.context, eos=config.eos_ids,
+                                        version=folder.name))  # fmt: skip
+    return EnginePool(engines)
 
-        free_bytes = available_host_memory()
+
+def _providers(requested: Sequence[str] | None, device_id: int,
+               gpu_mem_limit: int | None) -> list[str | tuple[str, dict[str, str]]]:  # fmt: skip
+    import onnxruntime as ort
+
+    wanted = requested or [p for p in PREFERRED_PROVIDERS if p != "TensorrtExecutionProvider"]
     try:
-        config = DecoderConfig.load(folder)
-        text = TextCodec.load(folder)
-        blocks = blocks_for_budget(config.kv, settings.block_size, context=config.context,
-                                   budget_bytes=settings.kv_budget_bytes,
-                                   share=None if settings.kv_budget_bytes else settings.kv_budget_share,
-                                   free_bytes=free_bytes)  # fmt: skip
-        runner = DecoderRunner(config, threads=threads)
-    except (KvBudgetError, ValueError) as exc:
-        raise ModelConfigError(f"generative model {name!r}: {exc}") from None
-    scheduler = GenerationScheduler(
-        GenerationConfig(max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
-                         long_prefill_threshold=settings.long_prefill_threshold, levels=settings.levels,
-                         default_level=settings.default_level, queue_policy=settings.queue_policy,
-                         aging_s=settings.aging_s,
-                         level_policies=level_policies(batching) if batching and batching.priority_levels else ()),
-        BlockManager(blocks, settings.block_size),
-    )  # fmt: skip
-    log.info("generative model %s: %d KV blocks of %d tokens (%d bytes a token), context %d", name, blocks,
-             settings.block_size, config.kv.bytes_per_token, config.context)  # fmt: skip
-    return GenerationEngine(name, runner, text, scheduler, context=config.context, eos=config.eos_ids,
-                            version=folder.name)  # fmt: skip
+        chosen = choose_providers(ort.get_available_providers(), wanted)
+    except RunnerError as exc:
+        raise ModelConfigError(str(exc)) from None
+    return [(name, provider_options(name, gpu_mem_limit, device_id)) for name in chosen]
+
+
+def _free_memory(runner: DecoderRunner, device_id: int) -> int | None:
+    """Free bytes where the KV cache will live: the GPU's when the session runs on one, else the host's."""
+    from edge_agent.runtime import gpu
+    from edge_agent.runtime.memory import available_host_memory
+
+    if runner.session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider"):
+        free = gpu.free_gpu_memory(device_id)
+        if free is not None:
+            return free
+    return available_host_memory()

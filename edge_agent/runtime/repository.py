@@ -98,7 +98,8 @@ def is_generative(model_dir: Path) -> bool:
 
 @dataclass(frozen=True)
 class GenerativeModel:
-    """A generative model to serve: the newest version's directory, and its model config when it has one."""
+    """A generative model to serve: the directory of the newest version its config's version policy serves (the
+    newest holding `genai_config.json` without a config), and its model config when it has one."""
 
     folder: Path
     config: ModelConfig | None
@@ -116,6 +117,9 @@ def generative_models(root: Path) -> dict[str, GenerativeModel]:
                           key=lambda v: int(v.name))  # fmt: skip
         if not versions:
             raise ModelConfigError(f"{model_dir}: no version directory (e.g. {model_dir}/1/)")
+        if config is not None:  # the newest of the versions its policy serves (one engine a model, for now)
+            chosen = _select(config.version_policy, [int(v.name) for v in versions], config.source)
+            versions = [v for v in versions if int(v.name) in chosen]
         newest = versions[-1]
         if not (newest / "genai_config.json").is_file():
             raise ModelConfigError(f"{newest / 'genai_config.json'}: missing or not a file (platform "

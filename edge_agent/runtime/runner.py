@@ -91,7 +91,7 @@ class OrtRunner:
         self._session = ort.InferenceSession(
             str(version.path),
             sess_options=_session_options(ort, intra_op_threads, inter_op_threads, spin),
-            providers=[(name, _provider_options(name, gpu_mem_limit, device_id)) for name in chosen],
+            providers=[(name, provider_options(name, gpu_mem_limit, device_id)) for name in chosen],
         )
         self.output_names = tuple(output.name for output in self._session.get_outputs())
         self.input_names = tuple(value.name for value in self._session.get_inputs())
@@ -176,7 +176,8 @@ def _session_options(ort: Any, intra_op_threads: int, inter_op_threads: int, spi
     return options
 
 
-def _provider_options(name: str, gpu_mem_limit: int | None, device_id: int) -> dict[str, str]:
+def provider_options(name: str, gpu_mem_limit: int | None, device_id: int) -> dict[str, str]:
+    """onnxruntime's options for one execution provider: the device, and the CUDA arena's cap."""
     if name == "CUDAExecutionProvider":
         options = {"device_id": str(device_id), "arena_extend_strategy": "kSameAsRequested"}
         if gpu_mem_limit is not None:

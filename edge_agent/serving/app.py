@@ -24,7 +24,7 @@ from spillway.contract import names
 from spillway.contract.v2 import encode_error
 
 if TYPE_CHECKING:
-    from edge_agent.generation.engine import GenerationEngine
+    from edge_agent.generation.pool import EnginePool
     from edge_agent.overflow.queue import AsyncQueue
     from edge_agent.serving.openai_api import OpenAIApi
 
@@ -73,7 +73,7 @@ class InferenceApp:
         self.status = status
         self.jobs = jobs
         self.openai = openai
-        self.engines: dict[str, GenerationEngine] = {}  # drained with the workers on shutdown
+        self.engines: dict[str, EnginePool] = {}  # drained with the workers on shutdown
         self.pipeline = InferencePipeline(
             registry, max_body_bytes=max_body_bytes, allow_non_finite=allow_non_finite, policy=policy,
             responses=responses, forwarder=forwarder, default_outputs=default_outputs, jobs=jobs,

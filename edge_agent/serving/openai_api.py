@@ -24,7 +24,8 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from edge_agent.generation.engine import Chunk, GenerationEngine, GenerationRequest, Stream
+from edge_agent.generation.engine import Chunk, GenerationRequest, Stream
+from edge_agent.generation.pool import EnginePool
 from edge_agent.generation.sampling import SamplingParams
 from edge_agent.scheduling.worker import Refused
 from edge_agent.serving.pipeline import respond as _respond
@@ -116,7 +117,7 @@ def _integer(body: dict[str, Any], name: str, default: int | None, low: int, hig
 
 
 class OpenAIApi:
-    def __init__(self, engines: dict[str, GenerationEngine], *, max_body_bytes: int, default_max_tokens: int) -> None:
+    def __init__(self, engines: dict[str, EnginePool], *, max_body_bytes: int, default_max_tokens: int) -> None:
         self.engines = engines
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
@@ -218,7 +219,7 @@ class OpenAIApi:
             watcher.cancel()
             generated.cancel()
 
-    def _engine(self, name: Any) -> GenerationEngine:
+    def _engine(self, name: Any) -> EnginePool:
         if not isinstance(name, str) or not name:
             raise ApiError(400, "'model' must name a served model", "model")
         engine = self.engines.get(name)
@@ -281,7 +282,7 @@ class OpenAIApi:
             self.warned.update(new)
             log.warning("OpenAI request fields ignored (not known to this server): %s", ", ".join(map(repr, new)))
 
-    def _prompt(self, engine: GenerationEngine, body: dict[str, Any], chat: bool) -> list[int]:
+    def _prompt(self, engine: EnginePool, body: dict[str, Any], chat: bool) -> list[int]:
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
@@ -326,7 +327,7 @@ class OpenAIApi:
                            "messages" if chat else "prompt", "context_length_exceeded")  # fmt: skip
         return tokens
 
-    def _request(self, engine: GenerationEngine, body: dict[str, Any], prompt: list[int], chat: bool,
+    def _request(self, engine: EnginePool, body: dict[str, Any], prompt: list[int], chat: bool,
                  headers: dict[bytes, bytes]) -> GenerationRequest:  # fmt: skip
         room = engine.context - len(prompt)
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"

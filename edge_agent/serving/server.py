@@ -30,7 +30,7 @@ from spillway.graceful import GracefulServer
 if TYPE_CHECKING:
     import numpy as np
 
-    from edge_agent.generation.engine import GenerationEngine
+    from edge_agent.generation.pool import EnginePool
     from edge_agent.overflow.forward import Forwarder
     from edge_agent.overflow.queue import AsyncQueue
     from edge_agent.policy.client import PolicyPoller
@@ -130,7 +130,7 @@ class Agent:
     poller: PolicyPoller | None
     forwarder: Forwarder | None = None
     jobs: AsyncQueue | None = None
-    engines: dict[str, GenerationEngine] = field(default_factory=dict)
+    engines: dict[str, EnginePool] = field(default_factory=dict)
 
     def status(self) -> dict[str, Any]:
         """The body of `GET /v2/spillway/status`."""
@@ -300,7 +300,7 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
     return agent
 
 
-def _generative(config: AgentConfig) -> dict[str, GenerationEngine]:
+def _generative(config: AgentConfig) -> dict[str, EnginePool]:
     """An engine for each generative model of the repository (ModelConfigError naming what does not fit)."""
     from edge_agent.runtime.repository import generative_models
 
@@ -312,7 +312,8 @@ def _generative(config: AgentConfig) -> dict[str, GenerationEngine]:
     engines = {}
     for name, model in found.items():
         engines[name] = load_engine(name, model.folder, config.generation, model=model.config,
-                                    threads=config.intra_op_threads)  # fmt: skip
+                                    threads=config.intra_op_threads, providers=config.providers,
+                                    device_id=config.device_id, gpu_mem_limit=config.gpu_mem_limit)  # fmt: skip
     return engines
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from edge_agent.telemetry.metrics import AgentTelemetry, TelemetrySettings
 
 if TYPE_CHECKING:
-    from edge_agent.generation.engine import GenerationEngine
+    from edge_agent.generation.pool import EnginePool
     from edge_agent.serving.models import LoadedModel, ModelRegistry
 
 log = logging.getLogger("spillway.agent.telemetry")
@@ -29,7 +29,7 @@ class LiveTelemetry:
         *,
         factory: Callable[[TelemetrySettings], AgentTelemetry] = AgentTelemetry,
         policy: Callable[[], tuple[int, str]] | None = None,
-        engines: Mapping[str, GenerationEngine] | None = None,
+        engines: Mapping[str, EnginePool] | None = None,
     ) -> None:
         """Args:
         base: the settings from the agent's config (a policy overrides buckets and interval only).

@@ -53,8 +53,8 @@ def test_a_decoder_config_marks_the_model_generative_and_overrides_the_agents_se
     assert load_repository(root).models == {}  # not a V2 model
     (found,) = generative_models(root).values()
     assert found.config is not None and found.folder.name == "1"
-    engine = load_engine("chat", found.folder, GenerationSettings(max_num_seqs=8), model=found.config,
-                         free_bytes=FREE)  # fmt: skip
+    pool = load_engine("chat", found.folder, GenerationSettings(max_num_seqs=8), model=found.config, free_bytes=FREE)
+    engine = pool.instances[0]
     try:
         config = engine.scheduler.config
         assert (config.max_num_seqs, config.queue_policy, config.aging_s) == (3, "shortest_prompt_first", 2.5)
@@ -64,17 +64,35 @@ def test_a_decoder_config_marks_the_model_generative_and_overrides_the_agents_se
         assert engine.scheduler.deadline_for(2, 0.0, None) is None
         assert config.level_policy(2).max_queue_size == 5
     finally:
-        engine.close()
+        pool.close()
+
+
+def test_instance_group_count_gives_that_many_engines_sharing_the_kv_budget(tmp_path: Path, built: Path) -> None:
+    config = 'platform: "onnxruntime_decoder"\ninstance_group [{ count: 2 kind: KIND_CPU }]'
+    (found,) = generative_models(_repository(tmp_path, built, config)).values()
+    one = load_engine("chat", found.folder, GenerationSettings(kv_budget_bytes=8 << 20), free_bytes=FREE)
+    two = load_engine("chat", found.folder, GenerationSettings(kv_budget_bytes=8 << 20), model=found.config,
+                      free_bytes=FREE)  # fmt: skip
+    try:
+        assert len(one.instances) == 1 and len(two.instances) == 2
+        blocks = [engine.scheduler.blocks.total for engine in two.instances]
+        assert blocks[0] == blocks[1] and sum(blocks) <= one.instances[0].scheduler.blocks.total
+        assert two.json()["kv_blocks"]["total"] == sum(blocks) and two.json()["instances"] == 2
+        assert {e.runner.session.get_providers()[0] for e in two.instances} == {"CPUExecutionProvider"}
+    finally:
+        one.close()
+        two.close()
 
 
 def test_a_model_without_a_config_is_generative_with_the_agents_settings(tmp_path: Path, built: Path) -> None:
     (found,) = generative_models(_repository(tmp_path, built, None)).values()
     assert found.config is None
-    engine = load_engine("chat", found.folder, GenerationSettings(queue_policy="fcfs"), free_bytes=FREE)
+    pool = load_engine("chat", found.folder, GenerationSettings(queue_policy="fcfs"), free_bytes=FREE)
     try:
+        (engine,) = pool.instances
         assert engine.scheduler.config.queue_policy == "fcfs" and engine.scheduler.config.levels == 3
     finally:
-        engine.close()
+        pool.close()
 
 
 @pytest.mark.parametrize(
@@ -121,10 +139,22 @@ def test_the_readmes_decoder_config_loads_and_every_generation_setting_is_docume
     assert found_block is not None
     snippet = textwrap.dedent(found_block.group(1))
     (found,) = generative_models(_repository(tmp_path, built, snippet)).values()
-    engine = load_engine("chat", found.folder, GenerationSettings(), model=found.config, free_bytes=FREE)
+    pool = load_engine("chat", found.folder, GenerationSettings(), model=found.config, free_bytes=FREE)
     try:
-        assert engine.scheduler.deadline_for(1, 0.0, None) == pytest.approx(0.5)
+        assert pool.instances[0].scheduler.deadline_for(1, 0.0, None) == pytest.approx(0.5)
     finally:
-        engine.close()
+        pool.close()
     missing = [key for key in GenerationSettings.model_fields if f"`{key}`" not in readme]
     assert missing == []
+
+
+def test_the_version_policy_picks_the_served_version_and_the_demo_serves_tiny_lm_v1(tmp_path: Path) -> None:
+    from spillway.demo.models import build_demo_repository
+
+    root = build_demo_repository(tmp_path / "demo")
+    chosen = generative_models(root)["tiny-lm"]
+    assert chosen.folder.name == "1" and chosen.config is not None  # v2, the lite one, is on disk beside it
+    assert (root / "tiny-lm" / "2" / "genai_config.json").is_file()
+    latest = 'platform: "onnxruntime_decoder"\nversion_policy { latest { num_versions: 1 } }'
+    (root / "tiny-lm" / "config.pbtxt").write_text(latest)
+    assert generative_models(root)["tiny-lm"].folder.name == "2"

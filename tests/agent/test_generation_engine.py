@@ -173,3 +173,38 @@ def test_generative_telemetry_follows_the_genai_conventions(engine: GenerationEn
 
 async def _submit_too_long(engine: GenerationEngine) -> None:
     engine.submit(GenerationRequest(prompt=list(range(200)) * 3, max_tokens=8))
+
+
+def test_a_pool_of_instances_spreads_streams_and_answers_for_the_model_as_one(folder: Path) -> None:
+    from edge_agent.generation.pool import EnginePool
+
+    def instance() -> GenerationEngine:
+        config = DecoderConfig.load(folder)
+        scheduler = GenerationScheduler(GenerationConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                                         long_prefill_threshold=16), BlockManager(64, 16))  # fmt: skip
+        return GenerationEngine("tiny-lm", DecoderRunner(config), TextCodec.load(folder), scheduler,
+                                context=config.context)  # fmt: skip
+
+    pool = EnginePool([instance(), instance()])
+    prompts = [pool.text.encode(p) for p in ("one", "two two", "three three three", "four")]
+
+    async def main() -> list[list[Chunk]]:
+        streams = [pool.submit(GenerationRequest(prompt=p, max_tokens=40, ignore_eos=True)) for p in prompts]
+        return await asyncio.gather(*(_collect(s) for s in streams))
+
+    try:
+        results = asyncio.run(main())
+        admitted = [engine.counts["admitted"] for engine in pool.instances]
+        assert sum(admitted) == 4 and min(admitted) >= 1  # both instances took streams
+        for prompt, chunks in zip(prompts, results, strict=True):
+            assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 40
+            incremental = pool.text.incremental()
+            for token in greedy_alone(DecoderRunner(DecoderConfig.load(folder)), prompt, 40):
+                incremental.push(token)
+            assert "".join(c.text for c in chunks) == incremental.text  # what it writes alone
+        state = pool.json()
+        assert state["instances"] == 2 and state["admitted"] == 4 and state["finished"] == 4
+        assert state["kv_blocks"]["total"] == 128 and state["kv_blocks"]["used"] == 0
+        assert state["steps"] == sum(e.timing.steps for e in pool.instances) and pool.waiting_by_level() == [0, 0, 0]
+    finally:
+        pool.close()

@@ -1,0 +1,77 @@
+"""A generative model's instances (Triton's `instance_group` count in its config): one `GenerationEngine` each,
+with its own thread, onnxruntime session and share of the KV budget. A request goes to the instance that predicts
+the earliest first token for it (ties: the one with fewer sequences), so that one busy instance does not hold a
+request another could start now. The pool answers for the model as one engine does: the serving code, the
+telemetry and the status see one model, with the instances' states added up and listed under `per_instance`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from edge_agent.generation.engine import GenerationEngine, GenerationListener, GenerationRequest, Stream
+
+__all__ = ["EnginePool"]
+
+
+class EnginePool:
+    def __init__(self, engines: list[GenerationEngine]) -> None:
+        if not engines:
+            raise ValueError("a generative model needs at least one instance")
+        self.instances = engines
+        first = engines[0]
+        self.name, self.version, self.context, self.text = first.name, first.version, first.context, first.text
+
+    @property
+    def listener(self) -> GenerationListener | None:
+        return self.instances[0].listener
+
+    @listener.setter
+    def listener(self, listener: GenerationListener | None) -> None:
+        for engine in self.instances:
+            engine.listener = listener
+
+    def submit(self, request: GenerationRequest) -> Stream:
+        """Admit on the instance that predicts the earliest first token (see GenerationEngine.submit)."""
+        engine = self.instances[0]
+        if len(self.instances) > 1:
+            # A priority no level takes raises ValueError: the first instance refuses it as it would alone.
+            with contextlib.suppress(ValueError):
+                engine = min(self.instances, key=lambda e: (e.broken is not None, e.predict_first_token_s(request),
+                                                            e.load))  # fmt: skip
+        return engine.submit(request)
+
+    def refused(self, level: int = 0) -> None:
+        self.instances[0].refused(level)
+
+    async def drain(self) -> None:
+        await asyncio.gather(*(engine.drain() for engine in self.instances))
+
+    def close(self) -> None:
+        for engine in self.instances:
+            engine.close()
+
+    def waiting_by_level(self) -> list[int]:
+        per_instance = [engine.waiting_by_level() for engine in self.instances]
+        return [sum(levels) for levels in zip(*per_instance, strict=True)]
+
+    def json(self) -> dict[str, Any]:
+        states = [engine.json() for engine in self.instances]
+        if len(states) == 1:
+            return {**states[0], "instances": 1}
+        total: dict[str, Any] = {key: sum(s[key] for s in states) for key in states[0] if _countable(states[0][key])}
+        kv = [s["kv_blocks"] for s in states]
+        total["kv_blocks"] = {**{k: sum(b[k] for b in kv) for k in ("total", "used", "free", "sequences")},
+                              "block_size": kv[0]["block_size"]}  # fmt: skip
+        step_s = sum(s["timing"]["step_s"] for s in states)
+        model_s = sum(s["timing"]["model_s"] for s in states)
+        total["timing"] = {"steps": total["steps"], "step_s": round(step_s, 6), "model_s": round(model_s, 6),
+                           "overhead_share": round((step_s - model_s) / step_s, 4) if step_s > 0 else 0.0}  # fmt: skip
+        total["instances"] = len(states)
+        total["per_instance"] = states
+        return total
+
+
+def _countable(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
