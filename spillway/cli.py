@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -238,12 +238,20 @@ def agent_serve(
 
 
 @models_app.command("build-demo")
-def build_demo(out: Annotated[Path, typer.Option(help="where to write the model repository")]) -> None:
+def build_demo(
+    out: Annotated[Path, typer.Option(help="where to write the model repository")],
+    size: Annotated[
+        Literal["demo", "bench"],
+        typer.Option(help="demo: the demo repository; bench: only `tiny-lm-bench` v1, the wider decoder"),
+    ] = "demo",
+) -> None:
     """Write the demo repository: model `mlp`, v1 full (512-4096-4096-1000) and v2 lite (512-1024-1024-1000), and the
-    decoder `tiny-lm` (v1 3 layers, v2 lite 1 layer) with its byte-level tokenizer and chat template."""
-    from spillway.demo.models import build_demo_repository
+    decoder `tiny-lm` (v1 3 layers, v2 lite 1 layer) with its byte-level tokenizer and chat template. With `--size
+    bench`, only the decoder `tiny-lm-bench` v1 instead (width 512, 4 layers, 8 heads, 4 KV heads, context 1024; the
+    same tokenizer and template), on which the model's compute dominates a step."""
+    from spillway.demo.models import build_bench_repository, build_demo_repository
 
-    root = build_demo_repository(out)
+    root = build_bench_repository(out) if size == "bench" else build_demo_repository(out)
     typer.echo(str(root))
 
 

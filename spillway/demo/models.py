@@ -141,7 +141,7 @@ def build_mlp(variant: DemoVariant, *, seed: int = SEED) -> onnx.ModelProto:
 
 def build_demo_repository(out: Path, *, seed: int = SEED, generative: bool = True) -> Path:
     """Write `out/mlp/{config.pbtxt,1/model.onnx,2/model.onnx}` and (unless `generative` is False) the decoder
-    `out/tiny-lm/{1,2}/` (v2 the lite one), replacing earlier builds; returns `out`."""
+    `out/tiny-lm/{config.pbtxt,1,2}/` (v2 the lite one), replacing earlier builds; returns `out`."""
     model_dir = out / MODEL_NAME
     for variant in DEMO_VARIANTS:
         model = build_mlp(variant, seed=seed)
@@ -152,6 +152,33 @@ def build_demo_repository(out: Path, *, seed: int = SEED, generative: bool = Tru
 
         build_tiny_lm_version(out / TINY_LM, 1, TINY, seed=seed)
         build_tiny_lm_version(out / TINY_LM, 2, TINY_LITE, seed=seed)
+        _write_atomically(out / TINY_LM / "config.pbtxt", TINY_LM_CONFIG.encode())
+    return out
+
+
+# tiny-lm's model config: a generative decoder, v1 served (v2, the lite one, is there for a degradation), three
+# priority levels with the agent's defaults, and a default first-token timeout of 2 s at the lowest level.
+TINY_LM_CONFIG = """\
+platform: "onnxruntime_decoder"
+version_policy { specific { versions: [1] } }
+dynamic_batching {
+  priority_levels: 3
+  default_priority_level: 2
+  priority_queue_policy { key: 3 value { default_timeout_microseconds: 2000000 allow_timeout_override: true } }
+}
+"""
+
+
+BENCH_LM = "tiny-lm-bench"  # the bench decoder's model name (`build-demo --size bench`)
+
+
+def build_bench_repository(out: Path, *, seed: int = SEED) -> Path:
+    """Write `out/tiny-lm-bench/1/`: the decoder in tiny_lm's `BENCH` shape (width 512, 4 layers, 8 heads, 4 KV
+    heads, context 1024; ~47 MiB), on which the model's own compute dominates a step (`bench/generate.py`). One
+    version and nothing else, so that an agent on `out` serves this decoder alone; returns `out`."""
+    from spillway.demo.tiny_lm import BENCH, build_tiny_lm_version
+
+    build_tiny_lm_version(out / BENCH_LM, 1, BENCH, seed=seed)
     return out
 
 
