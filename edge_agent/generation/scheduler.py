@@ -41,6 +41,7 @@ from edge_agent.scheduling.core import LevelPolicy, Rejection, resolve_level
 __all__ = ["QUEUE_POLICIES", "GenerationConfig", "GenerationScheduler", "QueueOrder", "Rates", "Sequence", "StepPlan"]
 
 QueuePolicyName = Literal["priority", "fcfs", "shortest_prompt_first"]
+SHARE_ALPHA = 0.05  # weight of one step in the levels' token shares (about the last 20 steps)
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,7 @@ class GenerationScheduler:
         self.order = QUEUE_POLICIES[config.queue_policy](config.aging_s)
         self._waiting: list[Sequence] = []  # admitted, holding no blocks; ordered by `order` at each step
         self._per_level = [0] * config.levels
+        self._level_share = [0.0] * config.levels  # EWMA of each level's share of the tokens a step computes
         self.running: list[Sequence] = []
         self._ids = itertools.count(1)
         self.preemptions = 0
@@ -216,12 +218,15 @@ class GenerationScheduler:
         return self._per_level[level - 1]
 
     def predict_first_token_s(self, level: int, prompt: int, now: float | None = None) -> float:
-        """Seconds from `now` to a new request's first token. Two things hold it back, and they overlap in time:
+        """Seconds from `now` to a new request's first token. Two things hold it back:
         - the prefill of the waiting sequences the policy puts before it, and what running ones still have to
           prefill, at the measured prefill rate;
         - a free place among `max_num_seqs`: running sequences it cannot preempt keep theirs until they end (taken
           as their `max_tokens`, so EOS can only make it earlier), and the waiting ones before it take places first.
-        Whichever is longer, then its own prefill and a step. Sequences that will age past it are not foreseen."""
+        The two add up (the prefill ahead runs in the steps it waits through); under a policy that ranks levels the
+        sum is stretched by the share of recent steps' tokens that higher levels took (they will go before it as
+        they arrive: a wait that is 40 % theirs lasts 1 / 0.6 as long). Then its own prefill and a step. Sequences
+        that will age past it are not foreseen."""
         probe = Sequence(prompt=prompt, max_tokens=1, level=level, arrival=math.inf if now is None else now,
                          id=1 << 62)  # fmt: skip
         mine = self.order.key(probe, now)
@@ -238,7 +243,9 @@ class GenerationScheduler:
         heapq.heapify(places)
         for sequence in ahead:  # each takes the first place to free, for as long as it will run
             heapq.heapreplace(places, places[0] + self._steps_left(sequence, chunk))
-        wait_s = max(prefill_ahead / rates.prefill_tokens_per_s, places[0] * rates.step_s)
+        wait_s = prefill_ahead / rates.prefill_tokens_per_s + places[0] * rates.step_s
+        if self.order.ranks_levels and mine_level > 1:  # higher levels arriving meanwhile go first: their share of
+            wait_s /= max(1.0 - sum(self._level_share[: mine_level - 1]), 0.1)  # the steps stretches the wait
         return wait_s + prompt / rates.prefill_tokens_per_s + rates.step_s
 
     @staticmethod
@@ -361,6 +368,14 @@ class GenerationScheduler:
     def advance(self, plan: StepPlan, finished: set[Sequence] | frozenset[Sequence] = frozenset()) -> None:
         """After the engine ran `plan`: prefill chunks are in the caches, each decode (and each sequence whose
         prefill completed) produced a token; `finished` ended (EOS, a stop, max_tokens) and free their blocks."""
+        if plan.tokens:
+            tokens = [0] * self.config.levels
+            for sequence in plan.decode:
+                tokens[sequence.level - 1] += 1
+            for sequence, chunk in plan.prefill:
+                tokens[sequence.level - 1] += chunk
+            for i, count in enumerate(tokens):
+                self._level_share[i] += SHARE_ALPHA * (count / plan.tokens - self._level_share[i])
         for sequence, chunk in plan.prefill:
             sequence.prefilled += chunk
             if sequence.to_prefill == 0 and sequence.generated == 0:

@@ -118,9 +118,35 @@ def test_admission_counts_the_wait_for_a_place_among_max_num_seqs() -> None:
     assert s.admit(queued, 1.1, context=CONTEXT) is None
     # A level-3 arrival now waits for the two queued before it as well: the first place frees after 99 steps and
     # goes to the level-1 one (9 steps), the second to the level-2 one; the first to free after that is its own.
-    assert s.predict_first_token_s(3, 8, now=1.2) == pytest.approx(1.08 + 0.008 + 0.01)
+    # Their 16 prompt tokens are prefilled in the steps it waits through.
+    assert s.predict_first_token_s(3, 8, now=1.2) == pytest.approx(1.08 + 0.016 + 0.008 + 0.01)
     fcfs = busy("fcfs")  # arrival order: a level-1 request cannot preempt and waits like the others
     assert fcfs.predict_first_token_s(1, 8, now=1.0) == pytest.approx(0.99 + 0.008 + 0.01)
+
+
+def test_a_lower_levels_wait_is_stretched_by_the_share_of_steps_higher_levels_took() -> None:
+    s = GenerationScheduler(GenerationConfig(max_num_seqs=4), BlockManager(256, 16),
+                            Rates(prefill_tokens_per_s=1000, step_s=0.01))  # fmt: skip
+    for level in (1, 1, 1, 3):
+        _admit(s, 4, level=level, max_tokens=300)
+    for _ in range(60):  # every step: three level-1 tokens and one level-3 token
+        _run(s, s.step())
+    assert s._level_share == pytest.approx([0.75, 0.0, 0.25], abs=0.05)  # an EWMA: near, from 0
+    tail = 0.008 + 0.01  # its own prefill and a step
+    stretched = s.predict_first_token_s(3, 8, now=1.0)
+    measured = list(s._level_share)
+    s._level_share[:] = [0.0, 0.0, 0.0]
+    plain = s.predict_first_token_s(3, 8, now=1.0)  # the places are full: it waits ~239 steps for one
+    s._level_share[:] = measured
+    assert plain - tail == pytest.approx(2.39, abs=0.02)
+    assert stretched - tail == pytest.approx((plain - tail) / (1 - measured[0]))  # level 1 took 3/4 of the steps
+    assert s.predict_first_token_s(1, 8, now=1.0) == pytest.approx(tail)  # it may preempt the level-3 one: no wait
+    fcfs = GenerationScheduler(GenerationConfig(max_num_seqs=1, queue_policy="fcfs"), BlockManager(256, 16),
+                               Rates(prefill_tokens_per_s=1000, step_s=0.01))  # fmt: skip
+    _admit(fcfs, 4, level=1, max_tokens=50)
+    for _ in range(10):
+        _run(fcfs, fcfs.step())
+    assert fcfs.predict_first_token_s(3, 8, now=1.0) == pytest.approx(0.4 + tail)  # arrival order: no stretch
 
 
 def test_a_high_priority_arrival_gets_its_first_token_within_a_few_steps_under_load() -> None:
