@@ -18,16 +18,28 @@ Where the padding goes depends on the attention the graph is built from (`Decode
   the rotary position from there. Its caches are RIGHT-padded; left-padded, the shorter rows attend to the padding
   and miss their last tokens (logits off by ~1 on a random Llama). Such exports have no `position_ids` input.
 
-The decode batch persists between steps. While the same sequences decode in the same order (the steady state), last
-step's `present` arrays are the next step's past as they are, the mask one column wider: nothing is copied outside
-the session call. When who decodes changes (a sequence joins after its prefill, leaves, is released or prefilled
-again), the batch is rebuilt once from the rows that stay and the caches of those that join, with the padding
-columns that every row has trimmed (`rebuilds` counts them). A sequence in the batch has no arrays of its own: its
-`SequenceCache` reads its row, and the row is copied out only when it leaves the batch without being released or is
-prefilled again. A released row's data lives in the batch until the next rebuild (or goes with the batch when no row
-is left). Chunks and the decode batch stay two session calls: a chunk row would pad every decode row to the chunk's
-length (2.5-9x the time of two calls on the BENCH tiny-lm with chunks of 16-128 tokens), and GroupQueryAttention
-writes every row's new tokens contiguously after its past, so it cannot hold padded decode rows at all.
+The decode batch persists between steps. While the same sequences decode (the steady state), last step's `present`
+arrays are the next step's past as they are, the mask one column wider: nothing is copied outside the session call.
+When who decodes changes:
+
+- rows only leave (released, paused by the token budget, prefilled again) and one that stays is still the longest
+  (no column becomes padding for every row): the batch is kept; the last rows that stay are moved into the holes and
+  the arrays cut to the rows left (`drops` counts these); the caller's order may then differ from the rows' order,
+  and the tokens in and logits out are permuted (a reordering alone is free too);
+- otherwise (a sequence joins after its prefill, or the longest leaves): the batch is gathered again from the rows
+  that stay and the caches of those that join, with the padding columns that every row has trimmed (`rebuilds`
+  counts them), into a scratch buffer the runner keeps for it (sized for the largest batch so far, a quarter more;
+  freed when no row is left). New arrays are zeroed, and page-faulted where the allocator maps fresh pages: 8 rows
+  of 100-300 tokens on the BENCH tiny-lm took 2.5-13 ms into new arrays, 2.2 ms into the scratch. The scratch is the
+  past of the step right after a rebuild only: that step's presents are new arrays, so the next rebuild may write
+  over it (where that step failed, the batch is in it still, and the next rebuild takes new scratch).
+
+A sequence in the batch has no arrays of its own: its `SequenceCache` reads its row, and the row is copied out only
+when it leaves the batch without being released or is prefilled again. A released row's data lives in the batch
+until the next step (or goes with the batch when no row is left). Chunks and the decode batch stay two session
+calls: a chunk row would pad every decode row to the chunk's length (2.5-9x the time of two calls on the BENCH
+tiny-lm with chunks of 16-128 tokens), and GroupQueryAttention writes every row's new tokens contiguously after its
+past, so it cannot hold padded decode rows at all.
 
 The KV arrays have the model's type (float32 or float16, from its past input), the integer inputs too; an input the
 model lacks (`position_ids`) is not fed.
@@ -140,23 +152,25 @@ def _padding_side(path: Path) -> Literal["left", "right"]:
     return "right" if any(node.op_type == "GroupQueryAttention" for node in graph.node) else "left"
 
 
-_GONE = object()  # a batch row whose sequence left it (released, or prefilled again): the next decode rebuilds
+_GONE = object()  # a batch row whose sequence left it (released, or prefilled again): the next decode regroups
 
 
 class _Batch:
     """The decode batch kept between steps: per layer keys and values [rows, kv_heads, width, head_size] (last step's
     `present`, the next step's past), each row's token count, and which sequence each row is."""
 
-    __slots__ = ("caches", "keys", "lengths", "members", "padding", "values")
+    __slots__ = ("caches", "keys", "lengths", "members", "order", "padding", "values", "wanted")
 
     def __init__(self, members: list[Any], caches: list[SequenceCache], lengths: np.ndarray, keys: list[np.ndarray],
                  values: list[np.ndarray], padding: Literal["left", "right"]) -> None:  # fmt: skip
-        self.members = members  # _GONE where the row's sequence left
+        self.members = members  # in row order; _GONE where the row's sequence left
         self.caches = caches
         self.lengths = lengths  # int64 [rows]
         self.keys = keys
         self.values = values
         self.padding = padding
+        self.wanted: list[Any] | None = list(members)  # the sequences as the last decode named them; None: stale
+        self.order: np.ndarray | None = None  # the row of each of `wanted`; None: row i is wanted[i]
 
     def span(self, row: int) -> slice:
         """The columns that hold the row's tokens."""
@@ -195,6 +209,14 @@ class SequenceCache:
             return self._values
         batch, row = self._slot
         return [v[row : row + 1, :, batch.span(row)] for v in batch.values]
+
+    def _arrays(self) -> list[np.ndarray]:
+        """Its keys then its values, each [kv_heads, tokens, head_size]: what a rebuild copies."""
+        if self._slot is None:
+            return [a[0] for a in (*self._keys, *self._values)]
+        batch, row = self._slot
+        at = batch.span(row)
+        return [a[row, :, at] for a in (*batch.keys, *batch.values)]
 
     def _own(self, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
         self._keys, self._values, self._slot = keys, values, None
@@ -246,7 +268,9 @@ class DecoderRunner:
         self._empty = np.zeros((1, config.kv_heads, 0, config.head_size), self.kv_dtype)
         self.run_s = 0.0  # seconds in session.run, all calls: the model's share of a step
         self._batch: _Batch | None = None  # the decode batch of the last step
-        self.rebuilds = 0  # decode batches gathered from the caches: one each time who decodes changed
+        self.rebuilds = 0  # decode batches gathered from the caches: a join, or the longest row left
+        self.drops = 0  # changes of who decodes (or in what order) served in the batch: rows left, none joined
+        self._scratch: np.ndarray | None = None  # flat: what rebuilds gather into (keys then values, per layer)
 
     @property
     def kv(self) -> KvShape:
@@ -293,9 +317,12 @@ class DecoderRunner:
         """One token for each sequence (each holds a cache already), in one call; logits [len(sequences), vocab]."""
         if not sequences:
             raise ValueError("a decode needs at least one sequence")
+        if len(tokens) != len(sequences):
+            raise ValueError(f"{len(sequences)} sequences decode, but {len(tokens)} tokens were given")
         batch = self._batch
-        if batch is None or batch.padding != self.padding or batch.members != list(sequences):
-            batch = self._rebuild(sequences)
+        wanted = list(sequences)
+        if batch is None or batch.padding != self.padding or batch.wanted != wanted:
+            batch = self._regroup(wanted)
         # The steady state: last step's presents are this step's past; each row gains its new token's column.
         lengths = batch.lengths + 1
         columns = np.arange(batch.keys[0].shape[2] + 1)
@@ -303,44 +330,96 @@ class DecoderRunner:
             mask = columns[None, :] < lengths[:, None]
         else:
             mask = columns[None, :] >= (len(columns) - lengths)[:, None]
-        found = self._run(np.asarray(tokens, np.int64)[:, None], mask.astype(np.int64),
-                          list(zip(batch.keys, batch.values, strict=True)))  # fmt: skip
+        fed = np.asarray(tokens, np.int64)
+        if batch.order is not None:  # the rows are in another order than the caller's
+            fed = np.empty_like(fed)
+            fed[batch.order] = tokens
+        found = self._run(fed[:, None], mask.astype(np.int64), list(zip(batch.keys, batch.values, strict=True)))
         presents = self._presents(found)
         # A GroupQueryAttention present is max(total_sequence_length, past) wide: the mask's width here, as concat's.
         batch.keys, batch.values = [k for k, _ in presents], [v for _, v in presents]
         batch.lengths = lengths
-        return np.asarray(found[self.config.names["logits"]][:, -1], np.float32)
+        logits = found[self.config.names["logits"]]
+        return np.asarray(logits[:, -1] if batch.order is None else logits[batch.order, -1], np.float32)
 
-    def _rebuild(self, sequences: list[Any]) -> _Batch:
-        """A new decode batch for `sequences`: their rows gathered (from the old batch or their own arrays) and
-        padded to the longest; who was in the old batch and is not in this one gets its row copied out."""
-        c = self.config
+    def _regroup(self, sequences: list[Any]) -> _Batch:
+        """The decode batch for `sequences` when it is not last step's: last step's with rows dropped (and the order
+        mapped) where no sequence joins and no padding column would be left in every row, else a rebuild."""
         caches = [self.caches[s] for s in sequences]
         if len({id(cache) for cache in caches}) != len(caches):
             raise ValueError("a sequence decodes once per step")
+        batch = self._batch
+        if batch is not None and batch.padding == self.padding:
+            rows = [-1 if cache._slot is None or cache._slot[0] is not batch else cache._slot[1] for cache in caches]
+            if min(rows) >= 0 and int(batch.lengths[rows].max()) == batch.keys[0].shape[2]:
+                self._drop(batch, sequences, rows)
+                return batch
+        return self._rebuild(sequences, caches)
+
+    def _drop(self, batch: _Batch, sequences: list[Any], rows: list[int]) -> None:
+        """Keep only `rows` (those of `sequences`) in the batch: who else is in it leaves (a copy of its row if it
+        keeps its cache), the rows that stay beyond the new end move into the holes, and the arrays are cut."""
+        staying, count = set(rows), len(rows)
+        for row, cache in enumerate(batch.caches):
+            if row not in staying and batch.members[row] is not _GONE:
+                self._leave(cache, keep=True)  # not decoding this step, but keeps its cache
+        source = list(range(count))  # the old row of each new row
+        holes = [row for row in source if row not in staying]
+        for hole, mover in zip(holes, [row for row in rows if row >= count], strict=True):
+            source[hole] = mover
+            for array in (*batch.keys, *batch.values):  # last step's presents, or this runner's scratch
+                array[hole] = array[mover]
+        if count < len(batch.members):
+            batch.keys = [k[:count] for k in batch.keys]  # views: contiguous, so fed as they are
+            batch.values = [v[:count] for v in batch.values]
+            batch.members = [batch.members[row] for row in source]
+            batch.caches = [batch.caches[row] for row in source]
+            batch.lengths = batch.lengths[source]
+            for row in holes:
+                batch.caches[row]._slot = (batch, row)
+        order = [source.index(row) for row in rows]  # the new row of each of `sequences`
+        batch.order = None if order == list(range(count)) else np.asarray(order)
+        batch.wanted = list(sequences)
+        self.drops += 1
+
+    def _rebuild(self, sequences: list[Any], caches: list[SequenceCache]) -> _Batch:
+        """A new decode batch for `sequences`: their rows gathered (from the old batch or their own arrays) and
+        padded to the longest; who was in the old batch and is not in this one gets its row copied out."""
         lengths = np.asarray([cache.tokens for cache in caches], np.int64)
         width = int(lengths.max())
-        shape = (len(caches), c.kv_heads, width, c.head_size)
-        keys = [np.zeros(shape, self.kv_dtype) for _ in range(c.layers)]
-        values = [np.zeros(shape, self.kv_dtype) for _ in range(c.layers)]
+        arrays = self._gather_into((len(caches), self.config.kv_heads, width, self.config.head_size))
         for row, cache in enumerate(caches):
             held = int(lengths[row])
-            at = slice(0, held) if self.padding == "right" else slice(width - held, width)
-            for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
-                keys[i][row, :, at] = k[0]
-                values[i][row, :, at] = v[0]
+            at, padding = (slice(0, held), slice(held, width)) if self.padding == "right" else (
+                slice(width - held, width), slice(0, width - held))  # fmt: skip
+            sources = cache._arrays() if held else [self._empty[0]] * len(arrays)
+            for target, source in zip(arrays, sources, strict=True):
+                target[row, :, at] = source
+                if held < width:
+                    target[row, :, padding] = 0
         old = self._batch
         if old is not None:
             staying = {id(cache) for cache in caches}
             for cache in old.caches:
                 if cache._slot is not None and cache._slot[0] is old and id(cache) not in staying:
                     self._leave(cache, keep=True)
-        batch = _Batch(list(sequences), caches, lengths, keys, values, self.padding)
+        layers = self.config.layers
+        batch = _Batch(list(sequences), caches, lengths, arrays[:layers], arrays[layers:], self.padding)
         for row, cache in enumerate(caches):
             cache._join(batch, row)
         self._batch = batch
         self.rebuilds += 1
         return batch
+
+    def _gather_into(self, shape: tuple[int, int, int, int]) -> list[np.ndarray]:
+        """Arrays of `shape` for a rebuild's keys then values, per layer: views of the scratch, grown if too small,
+        or new scratch where the old batch's rows are in it still (the step after its rebuild failed)."""
+        size = shape[0] * shape[1] * shape[2] * shape[3]
+        needed = 2 * self.config.layers * size
+        scratch, old = self._scratch, self._batch
+        if scratch is None or scratch.size < needed or (old is not None and np.may_share_memory(old.keys[0], scratch)):
+            scratch = self._scratch = np.empty(needed + needed // 4, self.kv_dtype)  # room for the batch to grow
+        return [scratch[i * size : (i + 1) * size].reshape(shape) for i in range(2 * self.config.layers)]
 
     def release(self, sequence: Any) -> None:
         """Forget a sequence's cache (it ended, or was preempted: a recompute starts from its tokens again)."""
@@ -358,5 +437,6 @@ class DecoderRunner:
             cache._own([k.copy() for k in cache.keys], [v.copy() for v in cache.values])
         cache._slot = None
         batch.members[row] = _GONE
+        batch.wanted = None  # the next decode regroups, even if asked for the same sequences
         if batch is self._batch and all(member is _GONE for member in batch.members):
-            self._batch = None
+            self._batch = self._scratch = None

@@ -1,7 +1,8 @@
 """The decoder runner on a real onnxruntime session: sequences that join mid-flight, with prompts of different
 lengths and prefilled in chunks, decode in one batch exactly what each decodes alone (continuous batching keeps
 greedy output unchanged), and a preempted sequence recomputed from its tokens goes on as if never preempted. The
-decode batch persists between steps: it is gathered again only when who decodes changes, and what leaves it is freed.
+decode batch persists between steps: it changes only when who decodes changes (rows that leave are dropped in place,
+unless the longest goes; a join gathers it again), what leaves it is freed, and a failed step leaves it usable.
 
 Each runs on tiny-lm's two attentions: MatMul and a mask (left-padded batches), and onnxruntime's GroupQueryAttention
 as onnxruntime-genai's model builder emits it (right-padded batches, no position_ids, a float16 KV cache too)."""
@@ -65,7 +66,7 @@ def test_the_batch_is_gathered_only_when_who_decodes_changes_and_every_row_decod
     produced: dict[str, list[int]] = {name: [] for name in prompts}
     running: list[str] = []
     recompute: list[str] = []
-    rebuilds, changes, decodes, last = runner.rebuilds, 0, 0, None
+    regroups, changes, decodes, last = runner.rebuilds + runner.drops, 0, 0, None
     for step in range(30):
         touched = False  # a sequence of the batch was released or prefilled: its row is stale
         for name in recompute:
@@ -100,7 +101,8 @@ def test_the_batch_is_gathered_only_when_who_decodes_changes_and_every_row_decod
             running.remove(name)
     assert produced == {name: [int(lg.argmax()) for lg in logits] for name, logits in alone.items()}
     assert runner.caches == {}
-    assert runner.rebuilds - rebuilds == changes  # every other step fed last step's presents as they were
+    # Every other step fed last step's presents as they were; a change gathered the batch, or dropped rows in it.
+    assert runner.rebuilds + runner.drops - regroups == changes
     assert (changes, decodes) == (10, 20)
 
 
@@ -120,6 +122,69 @@ def test_what_leaves_the_batch_keeps_none_of_it_alive(runner: DecoderRunner) -> 
     runner.release(1)
     assert batch() is None  # nobody is left in the batch: it went at once, not at some later decode
     runner.release(2)
+    assert runner.caches == {}
+
+
+def test_rows_that_leave_are_dropped_in_place_unless_the_longest_goes(runner: DecoderRunner) -> None:
+    rng = np.random.default_rng(17)
+    prompts = {name: rng.integers(0, 256, size=n).tolist() for name, n in (("a", 5), ("b", 14), ("c", 9), ("d", 3))}
+    tolerance = 1e-4 if runner.kv_dtype == np.float32 else 1e-3
+    alone = {name: _alone(runner, prompt, 8) for name, prompt in prompts.items()}
+    produced = {name: [int(runner.prefill(name, prompt).argmax())] for name, prompt in prompts.items()}
+
+    def step(names: list[str]) -> None:
+        logits = runner.decode(names, [produced[name][-1] for name in names])
+        for row, name in enumerate(names):  # in the caller's order, whatever the rows' order
+            assert np.abs(logits[row] - alone[name][len(produced[name])]).max() < tolerance, (names, name)
+            produced[name].append(int(logits[row].argmax()))
+
+    step(["a", "b", "c", "d"])
+    rebuilds, drops = runner.rebuilds, runner.drops
+    last = weakref.ref(runner.caches["b"].keys[0].base)  # last step's presents: the batch's arrays
+    runner.release("a")  # the first row, not the longest: the last row moves into its place
+    step(["b", "c", "d"])
+    assert last() is None  # the released row went with the arrays of the step before
+    step(["d", "c", "b"])  # the same rows in another order
+    step(["d", "b"])  # c pauses (a short token budget) and keeps its cache: a copy of its row
+    assert runner.caches["c"].keys[0].base is None
+    assert runner.caches["c"].tokens == len(prompts["c"]) + len(produced["c"]) - 1
+    assert (runner.rebuilds, runner.drops) == (rebuilds, drops + 3)
+    step(["b", "c", "d"])  # c joins again: gathered
+    assert (runner.rebuilds, runner.drops) == (rebuilds + 1, drops + 3)
+    runner.release("b")  # the longest: its columns would be padding in every row left, so gathered without them
+    step(["c", "d"])
+    assert (runner.rebuilds, runner.drops) == (rebuilds + 2, drops + 3)
+    assert runner.caches["c"].keys[0].base.shape[2] == runner.caches["c"].tokens > runner.caches["d"].tokens
+    for name in "cd":
+        runner.release(name)
+    assert runner.caches == {}
+
+
+def test_after_a_failed_step_the_caches_are_as_before_it(runner: DecoderRunner) -> None:
+    rng = np.random.default_rng(23)
+    sizes = (("a", 4), ("b", 11), ("c", 7), ("d", 19), ("e", 16))
+    prompts = {name: rng.integers(0, 256, size=n).tolist() for name, n in sizes}
+    tolerance = 1e-4 if runner.kv_dtype == np.float32 else 1e-3
+    alone = {name: _alone(runner, prompt, 3) for name, prompt in prompts.items()}
+    produced = {name: [int(runner.prefill(name, prompts[name]).argmax())] for name in "abcd"}
+
+    def step(names: str) -> None:
+        logits = runner.decode(list(names), [produced[name][-1] for name in names])
+        for row, name in enumerate(names):
+            assert np.abs(logits[row] - alone[name][len(produced[name])]).max() < tolerance, (names, name)
+            produced[name].append(int(logits[row].argmax()))
+
+    step("abcd")
+    runner.release("d")  # the longest: the next step gathers a, b and c again
+    with pytest.raises(Exception, match="out of data bounds"):  # a token the model has no embedding for
+        runner.decode(["a", "b", "c"], [produced["a"][-1], 10**6, produced["c"][-1]])
+    # That step's past, gathered into the runner's scratch, holds b's and c's rows still: the next gather reads them
+    # from there, into rows of another width.
+    runner.release("a")
+    produced["e"] = [int(runner.prefill("e", prompts["e"]).argmax())]
+    step("bce")
+    for name in "bce":
+        runner.release(name)
     assert runner.caches == {}
 
 
