@@ -269,7 +269,7 @@ class GenerationScheduler:
         if cap and self._per_level[sequence.level - 1] >= cap:
             return Rejection("queue_full", f"{cap} sequences are waiting at level {sequence.level} already",
                              self._retry_after(now))  # fmt: skip
-        if sequence.deadline is not None:
+        if sequence.deadline is not None and self.config.level_policy(sequence.level).timeout_action == "REJECT":
             predicted = self.predict_first_token_s(sequence.level, sequence.prompt, now)
             if now + predicted > sequence.deadline:
                 budget_ms = (sequence.deadline - now) * 1e3
@@ -297,14 +297,14 @@ class GenerationScheduler:
         are taken here; the engine runs the plan and reports each sequence's new tokens with `advance`."""
         preempted: list[Sequence] = []
         decode: list[Sequence] = []
-        self.running.sort(key=lambda s: (s.level, s.arrival, s.id))
+        self.running.sort(key=lambda s: self._rank(s, now))  # the victims of a preemption come last
         for sequence in list(self.running):
             if sequence not in self.running:  # preempted by this loop already
                 continue
             if sequence.to_prefill > 0:  # still prefilling: takes chunks below
                 continue
             while not self.blocks.grow(sequence, sequence.tokens):  # the token it feeds joins the cache
-                victim = self._victim()  # the lowest priority, latest arrival: never one already decoding
+                victim = self._victim(now=now)  # the lowest rank: never one already decoding (sorted above)
                 assert victim is not None and victim not in decode
                 self._preempt(victim)
                 preempted.append(victim)
@@ -321,7 +321,7 @@ class GenerationScheduler:
                 if len(self.running) >= self.config.max_num_seqs:
                     if not self.order.ranks_levels:
                         break  # arrival order: nobody waiting outranks a running sequence
-                    victim = self._victim(below=self.order.level(sequence, now), now=now)
+                    victim = self._victim(below=sequence.level, now=now)
                     needed = self.blocks.blocks_for(sequence.tokens)
                     if victim is None or self.blocks.free_blocks + len(self.blocks.blocks_of(victim)) < needed:
                         continue  # nobody to preempt, or preempting would not make room: nobody loses a cache
@@ -350,11 +350,15 @@ class GenerationScheduler:
         return partial + sorted(self._waiting, key=lambda s: self.order.key(s, now))
 
     def _victim(self, below: int | None = None, now: float | None = None) -> Sequence | None:
-        """The running sequence to preempt: the policy's lowest rank (by default the lowest priority, latest
-        arrival); with `below`, only one of a lower priority than that level (an aged one counts as level 0, so that
-        a sequence aging let in is not pushed out by the next higher-priority arrival)."""
-        candidates = [s for s in self.running if below is None or self.order.level(s, now) > below]
-        return max(candidates, key=self.order.victim_rank) if candidates else None
+        """The running sequence to preempt: the lowest rank (by default the lowest priority, latest arrival; one that
+        aging let in ranks above every other, so that it is not pushed out again). With `below` (a waiting sequence
+        of that level wants a place): only one of a lower priority than that level, and never an aged one."""
+        candidates = [s for s in self.running
+                      if below is None or (s.level > below and self.order.level(s, now) != 0)]  # fmt: skip
+        return max(candidates, key=lambda s: self._rank(s, now)) if candidates else None
+
+    def _rank(self, sequence: Sequence, now: float | None) -> tuple[float, ...]:
+        return (self.order.level(sequence, now) != 0, *self.order.victim_rank(sequence))
 
     def _preempt(self, sequence: Sequence) -> None:
         self.blocks.free(sequence)

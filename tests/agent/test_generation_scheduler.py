@@ -186,6 +186,37 @@ def test_fcfs_serves_in_arrival_order_whatever_the_level_and_preempts_the_latest
     assert s.predict_first_token_s(1, 4, now=0.3) == s.predict_first_token_s(3, 4, now=0.3)  # levels do not count
 
 
+def test_fcfs_out_of_blocks_preempts_the_latest_arrival_whatever_its_level() -> None:
+    s = _scheduler(blocks=2, block_size=4, max_num_seqs=2, queue_policy="fcfs")
+    early_low = _admit(s, 4, level=3, at=0.0, max_tokens=4)
+    late_high = _admit(s, 4, level=1, at=1.0, max_tokens=4)
+    _run(s, s.step())  # both prefilled: each holds its one block, and each needs a second for its next token
+    plan = s.step()  # a review found this asserting (the engine thread died): the victim was already decoding
+    assert plan.preempted == (late_high,) and plan.decode == (early_low,)
+    _run(s, plan)
+    assert late_high.state == "waiting" and late_high.boosted == 1
+
+
+def test_aging_lets_a_low_level_in_but_never_to_push_out_a_higher_one() -> None:
+    s = _scheduler(max_num_seqs=1, aging_s=1.0)
+    low = _admit(s, 4, level=3, at=0.0)
+    high = _admit(s, 4, level=1, at=0.9)
+    first = s.step(0.95)
+    assert [q for q, _ in first.prefill] == [high]  # not aged yet: level 1 first
+    _run(s, first)
+    plan = s.step(1.05)  # low has waited past aging_s, but it may not preempt the running level-1 stream
+    assert plan.preempted == () and low.state == "waiting" and plan.decode == (high,)
+
+
+def test_a_delay_level_is_not_refused_at_arrival_for_its_deadline() -> None:
+    policies = (LevelPolicy(default_timeout_s=0.01, timeout_action="DELAY"), LevelPolicy(), LevelPolicy())
+    s = GenerationScheduler(GenerationConfig(level_policies=policies), BlockManager(256, 16),
+                            Rates(prefill_tokens_per_s=1000, step_s=0.01))  # fmt: skip
+    _admit(s, 400, level=1)
+    slow = Sequence(prompt=10, max_tokens=8, level=1, arrival=0.0, deadline=s.deadline_for(1, 0.0, None))
+    assert s.admit(slow, 0.0, context=CONTEXT) is None  # Triton's DELAY: served late rather than refused
+
+
 def test_shortest_prompt_first_orders_a_level_by_prompt_left_and_keeps_levels_first() -> None:
     s = _scheduler(max_num_seqs=8, queue_policy="shortest_prompt_first")
     long, short, middle = _admit(s, 60, level=2, at=0.0), _admit(s, 5, level=2, at=0.1), _admit(s, 20, level=2, at=0.2)
