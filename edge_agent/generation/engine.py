@@ -145,6 +145,7 @@ class GenerationEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.broken: str | None = None  # why the engine thread stopped on an error of ours (it refuses then)
+        self._dead = False  # the engine thread has ended (broken or closed): nothing admitted would ever run
         # Final chunks of the step being run, handed over once the step's sequences have freed their blocks.
         self._finals: list[tuple[_Job, Chunk]] | None = None
         self.timing = _Timing()
@@ -154,9 +155,10 @@ class GenerationEngine:
 
     # ---- the front end (event loop) ------------------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> Stream:
+    def submit(self, request: GenerationRequest, *, count_refusal: bool = True) -> Stream:
         """Admit a request now or raise Refused (draining, queue full, a first-token deadline it cannot meet);
-        ValueError for one that cannot fit the model (the prompt and max_tokens beyond the context)."""
+        ValueError for one that cannot fit the model (the prompt and max_tokens beyond the context). A refusal is
+        counted unless `count_refusal` is False (the pool then asks another instance, and counts its own)."""
         loop = self._loop = self._loop or asyncio.get_running_loop()
         if self.broken is not None:
             self.refused()
@@ -173,14 +175,20 @@ class GenerationEngine:
                             deadline=deadline, payload=job)  # fmt: skip
         try:
             with self._lock:
-                rejection = self.scheduler.admit(sequence, now, context=self.context)
+                if self._dead:
+                    why = f"the model's engine stopped: {self.broken}; see the agent log" if self.broken else (
+                        "the model's engine is closed")  # fmt: skip
+                    rejection: Rejection | None = Rejection("draining", why, 5.0)
+                else:
+                    rejection = self.scheduler.admit(sequence, now, context=self.context)
                 if rejection is None:
                     self._jobs[sequence.id] = sequence
         except ValueError:  # it cannot fit the model: counted as refused, told as a bad request
             self.refused(level)
             raise
         if rejection is not None:
-            self.refused(level)
+            if count_refusal:
+                self.refused(level)
             raise Refused(rejection)
         self.counts["admitted"] += 1
         stream.job = job
@@ -236,6 +244,7 @@ class GenerationEngine:
             self.broken = f"{type(exc).__name__}: {exc}"
         finally:
             with self._lock:
+                self._dead = True  # under the lock: a submit either sees it, or its sequence is ended just below
                 for sequence in list(self._jobs.values()):
                     self.scheduler.finish(sequence)
                     self.runner.release(sequence.id)

@@ -11,15 +11,17 @@ import contextlib
 from typing import Any
 
 from edge_agent.generation.engine import GenerationEngine, GenerationListener, GenerationRequest, Stream
+from edge_agent.scheduling.worker import Refused
 
 __all__ = ["EnginePool"]
 
 
 class EnginePool:
-    def __init__(self, engines: list[GenerationEngine]) -> None:
+    def __init__(self, engines: list[GenerationEngine], *, default_max_tokens: int | None = None) -> None:
         if not engines:
             raise ValueError("a generative model needs at least one instance")
         self.instances = engines
+        self.default_max_tokens = default_max_tokens  # of a chat request that sets none (None: the API's default)
         first = engines[0]
         self.name, self.version, self.context, self.text = first.name, first.version, first.context, first.text
 
@@ -33,14 +35,21 @@ class EnginePool:
             engine.listener = listener
 
     def submit(self, request: GenerationRequest) -> Stream:
-        """Admit on the instance that predicts the earliest first token (see GenerationEngine.submit)."""
-        engine = self.instances[0]
-        if len(self.instances) > 1:
+        """Admit on the instance that predicts the earliest first token (see GenerationEngine.submit); when its queue
+        is full, on the next one that has room. A refusal is counted once."""
+        order = self.instances
+        if len(order) > 1:
             # A priority no level takes raises ValueError: the first instance refuses it as it would alone.
             with contextlib.suppress(ValueError):
-                engine = min(self.instances, key=lambda e: (e.broken is not None, e.predict_first_token_s(request),
-                                                            e.load))  # fmt: skip
-        return engine.submit(request)
+                order = sorted(order, key=lambda e: (e.broken is not None, e.predict_first_token_s(request), e.load))
+        for engine in order[:-1]:
+            try:
+                return engine.submit(request, count_refusal=False)
+            except Refused as exc:
+                if exc.rejection.reason != "queue_full":
+                    engine.refused(engine.scheduler.resolve_level(request.priority))
+                    raise
+        return order[-1].submit(request)
 
     def refused(self, level: int = 0) -> None:
         self.instances[0].refused(level)

@@ -208,3 +208,54 @@ def test_a_pool_of_instances_spreads_streams_and_answers_for_the_model_as_one(fo
         assert state["steps"] == sum(e.timing.steps for e in pool.instances) and pool.waiting_by_level() == [0, 0, 0]
     finally:
         pool.close()
+
+
+def test_a_request_after_the_engine_thread_ended_is_refused_never_left_waiting(engine: GenerationEngine) -> None:
+    async def main() -> None:
+        await _collect(engine.submit(GenerationRequest(prompt=engine.text.encode("hi"), max_tokens=2)))
+        engine.close()  # the thread ends (as it does on a bug of ours, with `broken` set)
+        with pytest.raises(Refused) as refused:
+            engine.submit(GenerationRequest(prompt=engine.text.encode("too late"), max_tokens=2))
+        assert refused.value.rejection.reason == "draining" and "closed" in refused.value.rejection.message
+        assert engine.load == 0  # nothing was admitted that nobody would run
+
+    asyncio.run(main())
+
+
+def test_a_pool_asks_the_next_instance_when_one_is_full_and_counts_each_refusal_once(folder: Path) -> None:
+    from edge_agent.generation.pool import EnginePool
+    from edge_agent.scheduling.core import LevelPolicy
+
+    def instance() -> GenerationEngine:
+        config = DecoderConfig.load(folder)
+        capped = GenerationConfig(
+            max_num_seqs=1,
+            max_num_batched_tokens=64,
+            long_prefill_threshold=16,
+            level_policies=(LevelPolicy(), LevelPolicy(max_queue_size=1), LevelPolicy()),
+        )
+        return GenerationEngine("tiny-lm", DecoderRunner(config), TextCodec.load(folder),
+                                GenerationScheduler(capped, BlockManager(64, 16)), context=config.context)  # fmt: skip
+
+    pool = EnginePool([instance(), instance()])
+
+    async def main() -> tuple[list[Stream], int]:
+        streams, refused = [], 0
+        for _ in range(8):  # far more than 2 instances x (1 running + 1 waiting) hold
+            try:
+                streams.append(pool.submit(GenerationRequest(prompt=[65, 66, 67], max_tokens=300, ignore_eos=True)))
+            except Refused as exc:
+                assert exc.rejection.reason == "queue_full"
+                refused += 1
+        for stream in streams:
+            stream.cancel()
+        await asyncio.gather(*(_collect(s) for s in streams))
+        return streams, refused
+
+    try:
+        streams, refused = asyncio.run(main())
+        admitted = [engine.counts["admitted"] for engine in pool.instances]
+        assert min(admitted) >= 1 and sum(admitted) == len(streams) and len(streams) + refused == 8
+        assert refused >= 4 and sum(engine.counts["refused"] for engine in pool.instances) == refused
+    finally:
+        pool.close()
