@@ -40,10 +40,10 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 from edge_agent.generation.runner import DecoderConfig, DecoderRunner
+from edge_agent.generation.text import IncrementalText
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
-_REPLACEMENT = "\ufffd"
 
 
 @dataclass(eq=False)
@@ -56,9 +56,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[tuple[str, int, str | None]] = field(default_factory=asyncio.Queue)
     tokens: list[int] = field(default_factory=list)  # generated
-    text: str = ""
-    prefix: int = 0  # the detokenization window starts here
-    read: int = 0  # tokens before this are in `text`
+    text: IncrementalText | None = None  # the agent's incremental detokenization, on the model's tokenizer
     cancelled: bool = False
 
 
@@ -138,18 +136,10 @@ class ModelThread:
         return True
 
     def _detokenize(self, job: Job, token: int) -> str:
-        """The text this token completes (the agent's incremental detokenization: a short window, never half a
-        character)."""
-        decode = self.tokenizer.decode
-        tokens = job.tokens
-        before = decode(tokens[job.prefix : job.read], skip_special_tokens=True)
-        decoded = decode(tokens[job.prefix :], skip_special_tokens=True)
-        if len(decoded) <= len(before) or decoded.endswith(_REPLACEMENT):
-            return ""
-        new = decoded[len(before) :]
-        job.text += new
-        job.prefix, job.read = job.read, len(tokens)
-        return new
+        """The text this token completes (never half a character)."""
+        if job.text is None:
+            job.text = IncrementalText(self.tokenizer)
+        return job.text.push(token)
 
     def _post(self, job: Job, text: str, tokens: int, finish: str | None) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more

@@ -24,8 +24,8 @@ from edge_agent.generation.scheduler import GenerationConfig, GenerationSchedule
 from edge_agent.generation.text import TextCodec
 from edge_agent.runtime.config import ModelConfigError
 from edge_agent.runtime.runner import PREFERRED_PROVIDERS, RunnerError, choose_providers, provider_options
-from edge_agent.scheduling.core import level_policies
-from spillway.contract.spec import ModelConfig
+from edge_agent.scheduling.core import LevelPolicy, level_policies
+from spillway.contract.spec import DynamicBatching, ModelConfig
 
 log = logging.getLogger("spillway.agent.generation")
 
@@ -55,7 +55,10 @@ def generation_settings(agent: GenerationSettings, model: ModelConfig | None) ->
         return GenerationSettings.model_validate(merged)
     except pydantic.ValidationError as exc:
         problem = exc.errors()[0]
-        where = ".".join(str(p) for p in problem["loc"]) or "dynamic_batching"
+        where = ".".join(str(p) for p in problem["loc"])
+        if not where:  # a rule between settings: some may be the agent's own or come from dynamic_batching
+            raise ModelConfigError(f"{model.source}: parameters (with the agent's generation settings and "
+                                   f"dynamic_batching): {problem['msg']}") from None  # fmt: skip
         raise ModelConfigError(f"{model.source}: parameters[{where!r}]: {problem['msg']}") from None
 
 
@@ -86,6 +89,7 @@ def load_engine(name: str, folder: Path, agent_settings: GenerationSettings, *, 
             blocks = blocks_for_budget(runner.kv, settings.block_size, context=config.context, budget_bytes=budget,
                                        share=None if budget else settings.kv_budget_share / count,
                                        free_bytes=free)  # fmt: skip
+            _check_working_memory(runner, blocks * settings.block_size, free, gpu_mem_limit)
         except (KvBudgetError, ValueError) as exc:
             raise ModelConfigError(f"generative model {name!r}: {exc}") from None
         scheduler = GenerationScheduler(
@@ -94,7 +98,7 @@ def load_engine(name: str, folder: Path, agent_settings: GenerationSettings, *, 
                              long_prefill_threshold=settings.long_prefill_threshold, levels=settings.levels,
                              default_level=settings.default_level, queue_policy=settings.queue_policy,
                              aging_s=settings.aging_s,
-                             level_policies=level_policies(batching) if batching and batching.priority_levels else ()),
+                             level_policies=_levels(batching, settings.levels)),
             BlockManager(blocks, settings.block_size),
         )  # fmt: skip
         log.info("generative model %s instance %d of %d on %s: %d KV blocks of %d tokens (%d bytes a token), "
@@ -102,7 +106,34 @@ def load_engine(name: str, folder: Path, agent_settings: GenerationSettings, *, 
                  runner.kv.bytes_per_token, config.context)  # fmt: skip
         engines.append(GenerationEngine(name, runner, text, scheduler, context=config.context, eos=config.eos_ids,
                                         version=folder.name))  # fmt: skip
-    return EnginePool(engines)
+    return EnginePool(engines, default_max_tokens=settings.default_max_tokens)
+
+
+# Beside the blocks in use, a decode step holds the batch fed as the past, the present coming back (one token
+# longer) and the buffer the next rebuild gathers into: up to about three times the cache, padding aside.
+WORKING_FACTOR = 3
+
+
+def _check_working_memory(runner: DecoderRunner, tokens: int, free: int | None, gpu_mem_limit: int | None) -> None:
+    """Refuse a KV budget whose working copies would not fit the free memory (or a GPU session's arena cap)."""
+    need = tokens * runner.kv.bytes_per_token * WORKING_FACTOR
+    on_gpu = runner.session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+    limits = [(free, "the free memory")] + ([(gpu_mem_limit, "gpu_mem_limit")] if on_gpu else [])
+    for limit, what in limits:
+        if limit is not None and need > limit:
+            raise KvBudgetError(f"the KV budget ({tokens} tokens, {tokens * runner.kv.bytes_per_token >> 20} MiB) "
+                                f"needs about {WORKING_FACTOR}x that while decoding ({need >> 20} MiB), more than "
+                                f"{what} ({limit >> 20} MiB): lower kv_budget_bytes or kv_budget_share")  # fmt: skip
+
+
+def _levels(batching: DynamicBatching | None, levels: int) -> tuple[LevelPolicy, ...]:
+    """Each level's queue policy: Triton's per level with `priority_levels`, else its `default_queue_policy` for
+    every level (none without `dynamic_batching`)."""
+    if batching is None:
+        return ()
+    if batching.priority_levels:
+        return level_policies(batching)
+    return level_policies(batching)[:1] * levels
 
 
 def _providers(requested: Sequence[str] | None, device_id: int,

@@ -154,6 +154,9 @@ class OpenAIApi:
         V2's, `{"error": "..."}`."""
         try:
             engine = self._engine(name)
+            if version and version != engine.version:
+                raise ApiError(404, f"model {name!r} serves version {engine.version}, not {version}", "model",
+                               "model_not_found")  # fmt: skip
             raw = await read_body(receive, headers.get(b"content-length"), self.max_body_bytes)
             body = json.loads(raw)
             if not isinstance(body, dict):
@@ -193,7 +196,7 @@ class OpenAIApi:
             return
         except ClientGone:
             return
-        head = {"model_name": name, "model_version": version or "1"}
+        head = {"model_name": name, "model_version": engine.version}
         watcher = asyncio.ensure_future(_watch_disconnect(receive, generated))
         try:
             if not stream:
@@ -277,8 +280,9 @@ class OpenAIApi:
         # Unknown fields are ignored with a warning, as vLLM does (`OpenAIBaseModel.__log_extra_fields__`, extra
         # "allow"): clients add vendor and newer fields freely, and refusing them would break clients that work
         # with vLLM. Each name is logged once, so a client sending one on every request does not flood the log.
-        new = [name[:40] for name in unknown if name[:40] not in self.warned]
-        if new and len(self.warned) < _WARNED_AT_MOST:
+        new = list(dict.fromkeys(name[:40] for name in unknown if name[:40] not in self.warned))
+        new = new[: max(_WARNED_AT_MOST - len(self.warned), 0)]  # one request with thousands of names included
+        if new:
             self.warned.update(new)
             log.warning("OpenAI request fields ignored (not known to this server): %s", ", ".join(map(repr, new)))
 
@@ -331,7 +335,7 @@ class OpenAIApi:
                  headers: dict[bytes, bytes]) -> GenerationRequest:  # fmt: skip
         room = engine.context - len(prompt)
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        default = min(self.default_max_tokens, room) if chat else min(16, room)
+        default = min(engine.default_max_tokens or self.default_max_tokens, room) if chat else min(16, room)
         max_tokens = _integer(body, name, default, 1, 1 << 30)
         assert max_tokens is not None
         if max_tokens > room:

@@ -24,6 +24,7 @@ platform: "onnxruntime_decoder"
 parameters { key: "max_num_seqs" value { string_value: "3" } }
 parameters { key: "queue_policy" value { string_value: "shortest_prompt_first" } }
 parameters { key: "aging_s" value { string_value: "2.5" } }
+parameters { key: "default_max_tokens" value { string_value: "40" } }
 dynamic_batching {
   priority_levels: 2
   default_priority_level: 2
@@ -63,6 +64,7 @@ def test_a_decoder_config_marks_the_model_generative_and_overrides_the_agents_se
         assert engine.scheduler.deadline_for(1, 0.0, None) == pytest.approx(0.2)
         assert engine.scheduler.deadline_for(2, 0.0, None) is None
         assert config.level_policy(2).max_queue_size == 5
+        assert pool.default_max_tokens == 40  # a chat request without max_tokens gets the model's default
     finally:
         pool.close()
 
@@ -82,6 +84,22 @@ def test_instance_group_count_gives_that_many_engines_sharing_the_kv_budget(tmp_
     finally:
         one.close()
         two.close()
+
+
+def test_dynamic_batching_without_levels_gives_its_default_queue_policy_to_every_level(
+    tmp_path: Path, built: Path
+) -> None:
+    config = ('platform: "onnxruntime_decoder"\ndynamic_batching { default_queue_policy { '
+              "default_timeout_microseconds: 300000 max_queue_size: 7 } }")  # fmt: skip
+    (found,) = generative_models(_repository(tmp_path, built, config)).values()
+    pool = load_engine("chat", found.folder, GenerationSettings(levels=3), model=found.config, free_bytes=FREE)
+    try:
+        scheduler = pool.instances[0].scheduler
+        for level in (1, 2, 3):
+            assert scheduler.config.level_policy(level).max_queue_size == 7
+            assert scheduler.deadline_for(level, 0.0, None) == pytest.approx(0.3)
+    finally:
+        pool.close()
 
 
 def test_a_model_without_a_config_is_generative_with_the_agents_settings(tmp_path: Path, built: Path) -> None:
@@ -158,3 +176,11 @@ def test_the_version_policy_picks_the_served_version_and_the_demo_serves_tiny_lm
     latest = 'platform: "onnxruntime_decoder"\nversion_policy { latest { num_versions: 1 } }'
     (root / "tiny-lm" / "config.pbtxt").write_text(latest)
     assert generative_models(root)["tiny-lm"].folder.name == "2"
+
+
+def test_a_kv_budget_whose_working_copies_do_not_fit_the_free_memory_is_refused(tmp_path: Path, built: Path) -> None:
+    (found,) = generative_models(_repository(tmp_path, built, None)).values()
+    settings = GenerationSettings(kv_budget_bytes=64 << 20)
+    with pytest.raises(ModelConfigError, match=r"needs about 3x that while decoding .* more than the free memory"):
+        load_engine("chat", found.folder, settings, free_bytes=100 << 20)  # 64 MiB of blocks, 192 MiB to decode
+    load_engine("chat", found.folder, settings, free_bytes=200 << 20).close()  # fits

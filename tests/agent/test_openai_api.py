@@ -163,6 +163,11 @@ def test_triton_generate_and_generate_stream(lm_agent: RunningAgent) -> None:
         events = [json.loads(line[len("data: ") :]) for line in s.iter_lines() if line.startswith("data: ")]
     assert "".join(e["text_output"] for e in events) == answer["text_output"]
     assert events[-1]["finish_reason"] in ("length", "stop")
+    assert answer["model_version"] == "1"  # the version served, whatever the route named
+    named = httpx.post(f"{lm_agent.url}/v2/models/{TINY_LM}/versions/1/generate", json=body, timeout=30)
+    assert named.status_code == 200 and named.json()["text_output"] == answer["text_output"]
+    other = httpx.post(f"{lm_agent.url}/v2/models/{TINY_LM}/versions/2/generate", json=body, timeout=30)
+    assert other.status_code == 404 and "serves version 1, not 2" in other.json()["error"]
 
 
 def test_generative_and_v2_routes_refuse_each_others_models(lm_agent: RunningAgent) -> None:
