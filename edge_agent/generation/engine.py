@@ -29,7 +29,7 @@ from edge_agent.scheduling.core import Rejection
 from edge_agent.scheduling.worker import Refused
 from spillway.contract import names
 
-__all__ = ["Chunk", "GenerationEngine", "GenerationRequest", "Stream"]
+__all__ = ["Chunk", "GenerationEngine", "GenerationRequest", "Stream", "Timing"]
 
 log = logging.getLogger("spillway.agent.generation")
 FinishReason = Literal["stop", "length", "cancelled", "error", "draining"]
@@ -101,7 +101,7 @@ class Stream:
 
 
 @dataclass
-class _Timing:
+class Timing:
     """Where the engine thread's time goes: whole steps (planning, the model, sampling, text, handing chunks over)
     and, of that, the model's own session calls; the rest is the scheduler's overhead."""
 
@@ -148,7 +148,7 @@ class GenerationEngine:
         self._dead = False  # the engine thread has ended (broken or closed): nothing admitted would ever run
         # Final chunks of the step being run, handed over once the step's sequences have freed their blocks.
         self._finals: list[tuple[_Job, Chunk]] | None = None
-        self.timing = _Timing()
+        self.timing = Timing()
         self.counts: dict[str, int] = {"admitted": 0, "refused": 0, "finished": 0, "cancelled": 0}
         self.listener: GenerationListener | None = None  # telemetry, when the agent exports metrics
         self._jobs: dict[int, Sequence] = {}  # by sequence id: every sequence admitted and not ended

@@ -22,6 +22,7 @@ from edge_agent.generation.pool import EnginePool
 from edge_agent.generation.runner import DecoderConfig, DecoderRunner
 from edge_agent.generation.scheduler import GenerationConfig, GenerationScheduler
 from edge_agent.generation.text import TextCodec
+from edge_agent.runtime import gpu
 from edge_agent.runtime.config import ModelConfigError
 from edge_agent.runtime.runner import PREFERRED_PROVIDERS, RunnerError, choose_providers, provider_options
 from edge_agent.scheduling.core import LevelPolicy, level_policies
@@ -78,11 +79,18 @@ def load_engine(name: str, folder: Path, agent_settings: GenerationSettings, *, 
     batching = None if model is None else model.dynamic_batching
     count = 1 if model is None else model.instance_count
     chosen = _providers(providers, device_id, gpu_mem_limit)
+    try:
+        config = DecoderConfig.load(folder)
+        text = TextCodec.load(folder)  # shared: the engines only read it, each stream detokenizes on its own
+    except ValueError as exc:
+        raise ModelConfigError(f"generative model {name!r}: {exc}") from None
+    plan = GenerationConfig(max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
+                            long_prefill_threshold=settings.long_prefill_threshold, levels=settings.levels,
+                            default_level=settings.default_level, queue_policy=settings.queue_policy,
+                            aging_s=settings.aging_s, level_policies=_levels(batching, settings.levels))  # fmt: skip
     engines = []
     for index in range(count):
         try:
-            config = DecoderConfig.load(folder)
-            text = TextCodec.load(folder)
             runner = DecoderRunner(config, threads=threads, providers=chosen)
             free = free_bytes if free_bytes is not None else _free_memory(runner, device_id)
             budget = None if settings.kv_budget_bytes is None else settings.kv_budget_bytes // count
@@ -92,15 +100,7 @@ def load_engine(name: str, folder: Path, agent_settings: GenerationSettings, *, 
             _check_working_memory(runner, blocks * settings.block_size, free, gpu_mem_limit)
         except (KvBudgetError, ValueError) as exc:
             raise ModelConfigError(f"generative model {name!r}: {exc}") from None
-        scheduler = GenerationScheduler(
-            GenerationConfig(max_num_seqs=settings.max_num_seqs,
-                             max_num_batched_tokens=settings.max_num_batched_tokens,
-                             long_prefill_threshold=settings.long_prefill_threshold, levels=settings.levels,
-                             default_level=settings.default_level, queue_policy=settings.queue_policy,
-                             aging_s=settings.aging_s,
-                             level_policies=_levels(batching, settings.levels)),
-            BlockManager(blocks, settings.block_size),
-        )  # fmt: skip
+        scheduler = GenerationScheduler(plan, BlockManager(blocks, settings.block_size))
         log.info("generative model %s instance %d of %d on %s: %d KV blocks of %d tokens (%d bytes a token), "
                  "context %d", name, index + 1, count, runner.session.get_providers()[0], blocks, settings.block_size,
                  runner.kv.bytes_per_token, config.context)  # fmt: skip
@@ -117,8 +117,7 @@ WORKING_FACTOR = 3
 def _check_working_memory(runner: DecoderRunner, tokens: int, free: int | None, gpu_mem_limit: int | None) -> None:
     """Refuse a KV budget whose working copies would not fit the free memory (or a GPU session's arena cap)."""
     need = tokens * runner.kv.bytes_per_token * WORKING_FACTOR
-    on_gpu = runner.session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
-    limits = [(free, "the free memory")] + ([(gpu_mem_limit, "gpu_mem_limit")] if on_gpu else [])
+    limits = [(free, "the free memory")] + ([(gpu_mem_limit, "gpu_mem_limit")] if _on_gpu(runner) else [])
     for limit, what in limits:
         if limit is not None and need > limit:
             raise KvBudgetError(f"the KV budget ({tokens} tokens, {tokens * runner.kv.bytes_per_token >> 20} MiB) "
@@ -148,12 +147,16 @@ def _providers(requested: Sequence[str] | None, device_id: int,
     return [(name, provider_options(name, gpu_mem_limit, device_id)) for name in chosen]
 
 
+def _on_gpu(runner: DecoderRunner) -> bool:
+    """Whether the session runs on a GPU: the provider onnxruntime put first is one of them."""
+    return runner.session.get_providers()[0] in gpu.GPU_PROVIDERS
+
+
 def _free_memory(runner: DecoderRunner, device_id: int) -> int | None:
     """Free bytes where the KV cache will live: the GPU's when the session runs on one, else the host's."""
-    from edge_agent.runtime import gpu
     from edge_agent.runtime.memory import available_host_memory
 
-    if runner.session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider"):
+    if _on_gpu(runner):
         free = gpu.free_gpu_memory(device_id)
         if free is not None:
             return free

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from edge_agent.generation.engine import GenerationEngine, GenerationListener, GenerationRequest, Stream
+from edge_agent.generation.engine import GenerationEngine, GenerationListener, GenerationRequest, Stream, Timing
 from edge_agent.scheduling.worker import Refused
 
 __all__ = ["EnginePool"]
@@ -73,10 +73,8 @@ class EnginePool:
         kv = [s["kv_blocks"] for s in states]
         total["kv_blocks"] = {**{k: sum(b[k] for b in kv) for k in ("total", "used", "free", "sequences")},
                               "block_size": kv[0]["block_size"]}  # fmt: skip
-        step_s = sum(s["timing"]["step_s"] for s in states)
-        model_s = sum(s["timing"]["model_s"] for s in states)
-        total["timing"] = {"steps": total["steps"], "step_s": round(step_s, 6), "model_s": round(model_s, 6),
-                           "overhead_share": round((step_s - model_s) / step_s, 4) if step_s > 0 else 0.0}  # fmt: skip
+        total["timing"] = Timing(total["steps"], sum(s["timing"]["step_s"] for s in states),
+                                 sum(s["timing"]["model_s"] for s in states)).json()  # fmt: skip
         total["instances"] = len(states)
         total["per_instance"] = states
         return total

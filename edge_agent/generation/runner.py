@@ -198,17 +198,17 @@ class SequenceCache:
 
     @property
     def keys(self) -> list[np.ndarray]:
-        if self._slot is None:
-            return self._keys
-        batch, row = self._slot
-        return [k[row : row + 1, :, batch.span(row)] for k in batch.keys]
+        return self._keys if self._slot is None else self._row(self._slot[0].keys)
 
     @property
     def values(self) -> list[np.ndarray]:
-        if self._slot is None:
-            return self._values
+        return self._values if self._slot is None else self._row(self._slot[0].values)
+
+    def _row(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Its row of the batch's per-layer `arrays`, [1, kv_heads, tokens, head_size] views."""
+        assert self._slot is not None
         batch, row = self._slot
-        return [v[row : row + 1, :, batch.span(row)] for v in batch.values]
+        return [a[row : row + 1, :, batch.span(row)] for a in arrays]
 
     def _arrays(self) -> list[np.ndarray]:
         """Its keys then its values, each [kv_heads, tokens, head_size]: what a rebuild copies."""

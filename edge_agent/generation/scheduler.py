@@ -230,9 +230,8 @@ class GenerationScheduler:
         probe = Sequence(prompt=prompt, max_tokens=1, level=level, arrival=math.inf if now is None else now,
                          id=1 << 62)  # fmt: skip
         mine = self.order.key(probe, now)
-        ahead = sorted(
-            (s for s in self._waiting if self.order.key(s, now) < mine), key=lambda s: self.order.key(s, now)
-        )
+        keyed = sorted((key, s.id, s) for s in self._waiting if (key := self.order.key(s, now)) < mine)
+        ahead = [s for _, _, s in keyed]  # in the order they will be served: each key computed once
         prefill_ahead = sum(s.to_prefill for s in ahead) + sum(s.to_prefill for s in self.running)
         rates, chunk = self.rates, self.config.long_prefill_threshold
         mine_level = self.order.level(probe, now)

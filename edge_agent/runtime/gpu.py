@@ -10,6 +10,8 @@ import contextlib
 from edge_agent.errors import AgentError
 
 MiB = 2**20
+# onnxruntime's execution providers that run on the GPU (its memory, not the host's, holds what they load).
+GPU_PROVIDERS = frozenset({"TensorrtExecutionProvider", "CUDAExecutionProvider"})
 
 
 class GpuMemoryError(AgentError, RuntimeError):

@@ -17,7 +17,6 @@ from spillway.contract.spec import ModelVersion
 
 # Weights plus activations and the session's own buffers: loading takes more than the file's size.
 LOAD_FACTOR = 1.5
-_GPU_PROVIDERS = frozenset({"TensorrtExecutionProvider", "CUDAExecutionProvider"})
 
 
 class HostMemoryError(AgentError, RuntimeError):
@@ -54,7 +53,7 @@ def check_load_fits(
     Returns which memory was checked ("gpu", "host", or "unmeasured" when neither can be measured).
     """
     needed = int(model_bytes(version) * LOAD_FACTOR)
-    if any(name in _GPU_PROVIDERS for name in providers) and gpu.check_fits(needed, device_id, headroom) is not None:
+    if any(name in gpu.GPU_PROVIDERS for name in providers) and gpu.check_fits(needed, device_id, headroom) is not None:
         return "gpu"
     available = available_host_memory(meminfo)
     if available is None:

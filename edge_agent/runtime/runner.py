@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     import onnxruntime
 
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
-_GPU_PROVIDERS = frozenset({"TensorrtExecutionProvider", "CUDAExecutionProvider"})
 # Weights plus activations, workspace and the CUDA context: loading needs more than the file's size.
 GPU_LOAD_FACTOR = 1.5
 
@@ -85,7 +84,7 @@ class OrtRunner:
             raise ValueError(f"gpu_mem_limit must be a positive number of bytes, got {gpu_mem_limit}")
         self.version = version
         chosen = choose_providers(ort.get_available_providers(), providers)
-        on_gpu = any(name in _GPU_PROVIDERS for name in chosen)
+        on_gpu = any(name in gpu.GPU_PROVIDERS for name in chosen)
         if on_gpu:
             self._check_gpu_memory(gpu_mem_limit, device_id)
         self._session = ort.InferenceSession(
