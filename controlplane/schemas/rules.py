@@ -45,9 +45,12 @@ class BurnRateCondition(Frozen):
 
 
 class LatencyCondition(Frozen):
-    """A latency quantile over a window exceeds a threshold."""
+    """A latency quantile over a window exceeds a threshold: of the whole request (`request`, the V2 models'
+    `spillway.request.duration`), or of a generative model's time to first token (`ttft`) or mean time per output
+    token (`tpot`), from the OTel GenAI histograms. The threshold sits on one of the metric's bucket boundaries."""
 
     kind: Literal["latency"]
+    metric: Literal["request", "ttft", "tpot"] = "request"
     quantile: float = Field(gt=0, lt=1, description="e.g. 0.99 for p99")
     threshold_ms: float = Field(gt=0, le=3_600_000)
     window: PositiveDuration = 300
@@ -64,8 +67,11 @@ class ErrorRatioCondition(Frozen):
 
 
 GaugeMetric = Literal[
-    "queue_depth", "gpu_memory_free_bytes", "gpu_memory_free_ratio", "gpu_temperature_c", "gpu_utilization"
+    "queue_depth", "gpu_memory_free_bytes", "gpu_memory_free_ratio", "gpu_temperature_c", "gpu_utilization",
+    "kv_cache_use_ratio", "preemptions_per_minute", "active_streams",
 ]
+"""`kv_cache_use_ratio`: KV blocks held / the budget's blocks (generative models); `preemptions_per_minute`: sequences
+preempted in the last whole minute; `active_streams`: generative sequences admitted and not finished."""
 
 
 class GaugeCondition(Frozen):
@@ -101,6 +107,29 @@ class TuneBatchingAction(Frozen):
     def _something_to_tune(self) -> TuneBatchingAction:
         if self.max_queue_delay_us is None and not self.preferred_batch_sizes:
             raise ValueError("tune_batching needs max_queue_delay_us or preferred_batch_sizes")
+        return self
+
+
+class CapMaxTokensAction(Frozen):
+    """Generative models: a request asking for more than `max_tokens` (or for no limit) gets `max_tokens`, ends with
+    `finish_reason: length` and a `Spillway-Max-Tokens-Cap` header."""
+
+    kind: Literal["cap_max_tokens"]
+    max_tokens: int = Field(ge=1, le=1_048_576)
+
+
+class LimitGenerationAction(Frozen):
+    """Generative models: lower the engine's `max_num_seqs` (sequences decoded at once) or its token budget per step
+    (`max_num_batched_tokens`) for new steps; running sequences beyond the new limit finish first."""
+
+    kind: Literal["limit_generation"]
+    max_num_seqs: int | None = Field(default=None, ge=1, le=4096)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
+
+    @model_validator(mode="after")
+    def _something_to_limit(self) -> LimitGenerationAction:
+        if self.max_num_seqs is None and self.max_num_batched_tokens is None:
+            raise ValueError("limit_generation needs max_num_seqs or max_num_batched_tokens")
         return self
 
 
@@ -142,24 +171,34 @@ class FallbackAction(Frozen):
     kind: Literal["fallback"]
     priority_at_or_below: int = Field(ge=1, le=64)
     mode: Literal["cache", "default"] = Field(
-        default="cache", description="cache: the last answer to the same inputs; default: `default_outputs`"
+        default="cache",
+        description=(
+            "cache: the last answer to the same inputs (generative: to the same greedy request); default: "
+            "`default_outputs` (V2 models) or `default_text` (generative models)"
+        ),
     )
     default_outputs: list[dict[str, Any]] | None = Field(
         default=None, max_length=64, description="V2 output tensors (name, shape, datatype, data) for mode=default"
     )
+    default_text: str | None = Field(
+        default=None, min_length=1, max_length=65536, description="generative models' answer for mode=default"
+    )
 
     @model_validator(mode="after")
     def _default_given(self) -> FallbackAction:
-        if self.mode == "default" and not self.default_outputs:
-            raise ValueError("fallback mode 'default' needs default_outputs")
+        if self.mode == "default" and not self.default_outputs and not self.default_text:
+            raise ValueError("fallback mode 'default' needs default_outputs (V2 models) or default_text (generative)")
         return self
 
 
 Action = Annotated[
-    TuneBatchingAction | OverflowAction | SwitchVariantAction | ShedAction | FallbackAction,
+    TuneBatchingAction | CapMaxTokensAction | LimitGenerationAction | OverflowAction | SwitchVariantAction
+    | ShedAction | FallbackAction,
     Field(discriminator="kind"),
 ]
-ACTION_LADDER = ("tune_batching", "overflow", "switch_variant", "shed", "fallback")
+ACTION_LADDER = (
+    "tune_batching", "cap_max_tokens", "limit_generation", "overflow", "switch_variant", "shed", "fallback"
+)
 """Actions from mildest to harshest: the order in which several rules on one agent compose."""
 
 

@@ -55,6 +55,10 @@ class ModelPlan:
     fallback: Fallback | None = None
     default_outputs: Mapping[str, np.ndarray] | None = None  # mode `default`: one row (unit) per output
     overflow: Overflow | None = None  # None: never sent to the gateway
+    # Generative models: the engine's limits for new streams (None: as configured).
+    max_tokens_cap: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
 
     def admission(self, level: int, draw: float = 1.0) -> Admission:
         """What happens to a request at priority level `level` (1 highest) on arrival; `draw` is uniform in [0, 1)
@@ -79,6 +83,9 @@ class ModelPlan:
             "overflow": None if self.overflow is None else self.overflow.model_dump(),
             "shed": None if self.shed is None else self.shed.model_dump(),
             "fallback": fallback,
+            "max_tokens_cap": self.max_tokens_cap,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
         }
 
 
@@ -133,7 +140,8 @@ def build_plan(document: PolicyDocument, source: Source, served: Mapping[str, Se
                 f"{where}.fallback", model.config, policy.fallback.default_outputs or []
             )
         overflow = policy.overflow if policy.overflow is not None else model.overflow
-        models[name] = ModelPlan(name, variant, delay, preferred, policy.shed, policy.fallback, defaults, overflow)
+        models[name] = ModelPlan(name, variant, delay, preferred, policy.shed, policy.fallback, defaults, overflow,
+                                 policy.max_tokens_cap, policy.max_num_seqs, policy.max_num_batched_tokens)  # fmt: skip
     return Plan(source, document, models)
 
 

@@ -38,6 +38,9 @@ KV_BLOCKS_TOTAL = "spillway.kv.blocks.total"  # gauge: model
 PREEMPTIONS = "spillway.generation.preemptions"  # counter: model
 STEP_TOKENS = "spillway.generation.step.tokens"  # histogram, {token}: tokens one engine step computed; model
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+ACTIVE_STREAMS = "spillway.generation.streams.active"  # gauge: model; sequences admitted and not yet finished
+GENAI_METRICS = (GENAI_TTFT, GENAI_TPOT, GENAI_REQUEST_DURATION, GENAI_TOKEN_USAGE)
+GENERATION_GAUGES = (KV_BLOCKS_USED, KV_BLOCKS_TOTAL, ACTIVE_STREAMS)
 ATTR_GENAI_MODEL = "gen_ai.request.model"
 ATTR_GENAI_OPERATION = "gen_ai.operation.name"  # chat | text_completion
 ATTR_GENAI_TOKEN_TYPE = "gen_ai.token.type"  # noqa: S105 (an attribute name): input or output
@@ -95,8 +98,15 @@ H_JOB_STATUS = "spillway-job-status"
 H_TIMEOUT_US = "spillway-timeout-us"  # what is left of an overflowed request's deadline, in microseconds
 H_HEADER_LENGTH = "inference-header-content-length"  # Triton's binary extension: the JSON part's length
 H_RETRY_AFTER = "retry-after"
+# On a generative answer whose max_tokens a policy capped: the cap applied (the answer ends with finish_reason length
+# when it reaches it).
+H_MAX_TOKENS_CAP = "spillway-max-tokens-cap"
+# The field of an OpenAI-shaped answer (the body of a whole one; one extra chunk, `choices: []`, before `data: [DONE]`
+# of a stream) that says how Spillway answered: {"outcome": ..., "backend": ... (overflow), "reason": ...}.
+OPENAI_FIELD = "spillway"
 
 __all__ = [
+    "ACTIVE_STREAMS",
     "ATTR_DEVICE_CLASS",
     "ATTR_GENAI_MODEL",
     "ATTR_GENAI_OPERATION",
@@ -114,6 +124,7 @@ __all__ = [
     "FALLBACK_CACHE",
     "FALLBACK_DEFAULT",
     "GENAI_DURATION_BUCKETS",
+    "GENAI_METRICS",
     "GENAI_REQUEST_DURATION",
     "GENAI_TOKEN_BUCKETS",
     "GENAI_TOKEN_USAGE",
@@ -121,6 +132,7 @@ __all__ = [
     "GENAI_TPOT_BUCKETS",
     "GENAI_TTFT",
     "GENAI_TTFT_BUCKETS",
+    "GENERATION_GAUGES",
     "GOOD_OUTCOMES",
     "GPU_MEMORY_LIMIT",
     "GPU_MEMORY_USAGE",
@@ -128,6 +140,7 @@ __all__ = [
     "H_BACKEND",
     "H_HEADER_LENGTH",
     "H_JOB_ID",
+    "H_MAX_TOKENS_CAP",
     "H_JOB_STATUS",
     "H_OUTCOME",
     "H_REASON",
@@ -137,6 +150,7 @@ __all__ = [
     "KV_BLOCKS_TOTAL",
     "KV_BLOCKS_USED",
     "LOCAL",
+    "OPENAI_FIELD",
     "OUTCOMES",
     "OVERFLOW",
     "POLICY_REFUSALS",

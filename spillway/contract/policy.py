@@ -6,8 +6,9 @@ a document the agent would refuse, and an agent refuses a malformed one and keep
 
 A document says, per model (key `*`: every model the agent serves, overridden field by field by a model's own
 entry), what to change from the model's configuration: batching parameters, the variant (version) to serve,
-which priority levels to overflow to the control plane's gateway, shed or answer with a fallback. A field left
-out (null) means "as configured".
+which priority levels to overflow to the control plane's gateway, shed or answer with a fallback, and for generative
+models the engine's limits (a cap on max_tokens, max_num_seqs, the token budget). A field left out (null) means "as
+configured".
 """
 
 from __future__ import annotations
@@ -31,16 +32,22 @@ class Fallback(_Strict):
 
     at_or_below: int = Field(ge=1, le=64)
     mode: Literal["cache", "default"] = Field(
-        description="cache: the last answer to the same inputs, else refused; default: `default_outputs`"
+        description=(
+            "cache: the last answer to the same inputs (generative models: to the same greedy request), else refused; "
+            "default: `default_outputs` (V2 models) or `default_text` (generative models)"
+        )
     )
     default_outputs: list[dict[str, Any]] | None = Field(
         default=None, max_length=64, description="V2 output tensors (name, shape, datatype, data) for mode=default"
     )
+    default_text: str | None = Field(
+        default=None, min_length=1, max_length=65536, description="generative models' answer for mode=default"
+    )
 
     @model_validator(mode="after")
     def _default_given(self) -> Fallback:
-        if self.mode == "default" and not self.default_outputs:
-            raise ValueError("fallback mode 'default' needs default_outputs")
+        if self.mode == "default" and not self.default_outputs and not self.default_text:
+            raise ValueError("fallback mode 'default' needs default_outputs (V2 models) or default_text (generative)")
         return self
 
 
@@ -69,6 +76,15 @@ class ModelPolicy(_Strict):
     overflow: Overflow | None = None
     shed: Shed | None = None
     fallback: Fallback | None = None
+    # Generative models only (a V2 model ignores them): the engine's limits, applied live to new streams.
+    max_tokens_cap: int | None = Field(
+        default=None, ge=1, le=1_048_576,
+        description="a request asking for more tokens (or naming no limit) gets this many at most, finish_reason length",
+    )  # fmt: skip
+    max_num_seqs: int | None = Field(default=None, ge=1, le=4096, description="sequences decoded at once, at most")
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, le=1_048_576, description="tokens one engine step computes, at most (the token budget)"
+    )
 
     def over(self, base: ModelPolicy) -> ModelPolicy:
         """This entry's fields where set, `base`'s elsewhere (a model's own entry over `*`)."""
