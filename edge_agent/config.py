@@ -81,6 +81,10 @@ class GenerationSettings(BaseModel):
     levels: int = Field(default=3, ge=1, le=16, description="priority levels (1 the highest)")
     default_level: int = Field(default=2, ge=1, description="the level of a request without a priority")
     default_max_tokens: int = Field(default=256, ge=1, description="max_tokens of a chat request without one")
+    fallback_text: str | None = Field(
+        default=None, min_length=1, max_length=65536,
+        description="the answer of a fallback `default` (policy mode default without default_text, overflow failed)",
+    )  # fmt: skip
     queue_policy: Literal["priority", "fcfs", "shortest_prompt_first"] = Field(
         default="priority", description="order of waiting requests: by level, by arrival, or shortest prompt first"
     )

@@ -213,6 +213,19 @@ class GenerationEngine:
         if self.listener is not None:
             self.listener.outcome(level, names.REJECTED)
 
+    def limit(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
+        """Lower the scheduler's limits from the next step on (None: as configured; see GenerationScheduler.limit).
+        Under the lock the engine thread plans each step with: a step already planned runs as planned."""
+        with self._lock:
+            self.scheduler.limit(max_num_seqs, max_num_batched_tokens)
+        self._wake.set()  # a raised limit may let a waiting sequence in now
+
+    @property
+    def active(self) -> int:
+        """Sequences admitted and not yet ended (running or waiting)."""
+        with self._lock:
+            return len(self._jobs)
+
     async def drain(self) -> None:
         """Stop admitting; return once every stream has ended."""
         with self._lock:
@@ -397,5 +410,6 @@ class GenerationEngine:
     def json(self) -> dict[str, Any]:
         with self._lock:
             return {"running": len(self.scheduler.running), "waiting": self.scheduler.waiting,
-                    "kv_blocks": self.scheduler.blocks.json(), "preemptions": self.scheduler.preemptions,
-                    "steps": self.timing.steps, "timing": self.timing.json(), **self.counts}  # fmt: skip
+                    "active": len(self._jobs), "kv_blocks": self.scheduler.blocks.json(),
+                    "preemptions": self.scheduler.preemptions, "steps": self.timing.steps,
+                    "timing": self.timing.json(), **self.counts}  # fmt: skip

@@ -106,7 +106,7 @@ def load_engine(name: str, folder: Path, agent_settings: GenerationSettings, *, 
                  runner.kv.bytes_per_token, config.context)  # fmt: skip
         engines.append(GenerationEngine(name, runner, text, scheduler, context=config.context, eos=config.eos_ids,
                                         version=folder.name))  # fmt: skip
-    return EnginePool(engines, default_max_tokens=settings.default_max_tokens)
+    return EnginePool(engines, default_max_tokens=settings.default_max_tokens, fallback_text=settings.fallback_text)
 
 
 # Beside the blocks in use, a decode step holds the batch fed as the past, the present coming back (one token

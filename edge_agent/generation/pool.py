@@ -17,13 +17,45 @@ __all__ = ["EnginePool"]
 
 
 class EnginePool:
-    def __init__(self, engines: list[GenerationEngine], *, default_max_tokens: int | None = None) -> None:
+    def __init__(self, engines: list[GenerationEngine], *, default_max_tokens: int | None = None,
+                 fallback_text: str | None = None) -> None:  # fmt: skip
         if not engines:
             raise ValueError("a generative model needs at least one instance")
         self.instances = engines
         self.default_max_tokens = default_max_tokens  # of a chat request that sets none (None: the API's default)
+        self.fallback_text = fallback_text  # the fallback `default` answer where the policy gives no default_text
         first = engines[0]
         self.name, self.version, self.context, self.text = first.name, first.version, first.context, first.text
+
+    # ---- limits (a policy lowers them live) ----------------------------------------------------------------------
+
+    @property
+    def configured_max_num_seqs(self) -> int:
+        return self.instances[0].scheduler.configured.max_num_seqs
+
+    @property
+    def configured_max_num_batched_tokens(self) -> int:
+        return self.instances[0].scheduler.configured.max_num_batched_tokens
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Each instance's effective limit (the configured one, or lower under a policy)."""
+        return self.instances[0].scheduler.config.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.instances[0].scheduler.config.max_num_batched_tokens
+
+    def limit(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
+        """Every instance's scheduler limits from its next step (None: as configured; never above it; see
+        GenerationScheduler.limit). Safe from the event loop while the engines run."""
+        for engine in self.instances:
+            engine.limit(max_num_seqs, max_num_batched_tokens)
+
+    @property
+    def active(self) -> int:
+        """Sequences admitted and not yet ended, over the instances."""
+        return sum(engine.active for engine in self.instances)
 
     @property
     def listener(self) -> GenerationListener | None:

@@ -10,6 +10,8 @@ One step, in order:
    `long_prefill_threshold` tokens, while the step's `max_num_batched_tokens`, `max_num_seqs` and the free blocks
    allow. Under a policy that ranks levels, a waiting sequence of a higher level than the lowest running one may
    preempt it when `max_num_seqs` is full.
+A policy may lower `max_num_seqs` and the token budget between two steps (`limit`): sequences already running beyond
+the new `max_num_seqs` finish as they would, and nobody joins (nor preempts its way in) until fewer run.
 
 Queue policies (one small interface, `QueueOrder`: a sort key over waiting sequences, and the rank that picks a
 preemption victim):
@@ -32,7 +34,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from edge_agent.generation.blocks import BlockManager
@@ -189,6 +191,7 @@ QUEUE_POLICIES: dict[str, type[QueueOrder]] = {
 class GenerationScheduler:
     def __init__(self, config: GenerationConfig, blocks: BlockManager, rates: Rates | None = None) -> None:
         self.config = config
+        self.configured = config  # `limit` never goes above it, and reverting comes back to it
         self.blocks = blocks
         self.rates = rates or Rates()
         self.order = QUEUE_POLICIES[config.queue_policy](config.aging_s)
@@ -199,6 +202,18 @@ class GenerationScheduler:
         self._ids = itertools.count(1)
         self.preemptions = 0
         self._draining = False
+
+    # ---- limits ----------------------------------------------------------------------------------------------------
+
+    def limit(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
+        """Lower `max_num_seqs` and the token budget for the next steps (None: as configured); never above the
+        configured ones, and the sequences never above the budget (a decode token each). Running sequences beyond a
+        lowered `max_num_seqs` finish as they would; no sequence joins (nor preempts its way in) until fewer run.
+        The engine calls this under its lock, between two steps."""
+        configured = self.configured
+        tokens = min(max_num_batched_tokens or configured.max_num_batched_tokens, configured.max_num_batched_tokens)
+        seqs = min(max_num_seqs or configured.max_num_seqs, configured.max_num_seqs, tokens)
+        self.config = replace(self.config, max_num_seqs=seqs, max_num_batched_tokens=tokens)
 
     # ---- admission -------------------------------------------------------------------------------------------------
 
@@ -237,7 +252,9 @@ class GenerationScheduler:
         mine_level = self.order.level(probe, now)
         holding = [s for s in self.running
                    if not (self.order.ranks_levels and self.order.level(s, now) > mine_level)]  # fmt: skip
-        places = [self._steps_left(s, chunk) for s in holding[: self.config.max_num_seqs]]
+        places = sorted(self._steps_left(s, chunk) for s in holding)
+        # More running than places (a lowered max_num_seqs): the first place frees when enough of them have ended.
+        places = places[max(len(places) - self.config.max_num_seqs, 0) :]
         places += [0] * (self.config.max_num_seqs - len(places))
         heapq.heapify(places)
         for sequence in ahead:  # each takes the first place to free, for as long as it will run
@@ -318,8 +335,10 @@ class GenerationScheduler:
                 break
             if sequence.state == "waiting":
                 if len(self.running) >= self.config.max_num_seqs:
-                    if not self.order.ranks_levels:
-                        break  # arrival order: nobody waiting outranks a running sequence
+                    if not self.order.ranks_levels or len(self.running) > self.config.max_num_seqs:
+                        # Arrival order: nobody waiting outranks a running sequence. Above a lowered max_num_seqs:
+                        # the running ones finish first; a preemption would only swap one for another.
+                        break
                     victim = self._victim(below=sequence.level, now=now)
                     needed = self.blocks.blocks_for(sequence.tokens)
                     if victim is None or self.blocks.free_blocks + len(self.blocks.blocks_of(victim)) < needed:

@@ -16,6 +16,16 @@ A document is applied whole or not at all:
 Which versions stay loaded: those the model's configuration serves, plus the variant; when the variant is not one
 of those, it replaces the default version in memory (the device was sized for one), and reverting loads the
 default again first.
+
+Generative models (decoders) serve one version at a time, as one `EnginePool` in the `engines` dict that the
+OpenAI API, the app and the telemetry share (the same dict object, changed in place):
+- a variant (or reverting from one) loads the other version's pool off the event loop (the load checks the memory
+  as at start: the weights beside what runs, the KV budget's working copies against the free memory); a failed
+  load refuses the document and the running pool stays. The new pool takes the model's key in `engines` in the
+  commit step, so new streams go to it; the old one drains (its running streams finish on it) and is closed;
+- `max_num_seqs` and `max_num_batched_tokens` lower the served pool's scheduler limits from its next step
+  (`EnginePool.limit`; never above the configured ones, None restores them); `max_tokens_cap`, overflow, shed and
+  fallback are read by admission through `plan_for`.
 """
 
 from __future__ import annotations
@@ -23,19 +33,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.failures import FailureStreak
 from edge_agent.policy.cache import CachedPolicy, CacheUnreadable, CacheUnwritable, PolicyCache
-from edge_agent.policy.plan import ModelPlan, Plan, PolicyRefused, ServedModel, Source, build_plan, local_plan
+from edge_agent.policy.plan import (
+    ModelPlan,
+    Plan,
+    PolicyRefused,
+    ServedDecoder,
+    ServedModel,
+    Source,
+    build_plan,
+    local_plan,
+)
 from edge_agent.runtime.repository import UnknownModelError, version_on_disk
 from spillway.contract.policy import PolicyDocument
 from spillway.contract.spec import ModelVersion
 
 if TYPE_CHECKING:
+    from edge_agent.generation.pool import EnginePool
     from edge_agent.serving.models import LoadedModel, ModelRegistry
     from edge_agent.telemetry.live import LiveTelemetry
 
@@ -67,6 +87,9 @@ class PolicyApplier:
         telemetry: LiveTelemetry | None = None,
         agent_id: str | None = None,
         clock: Callable[[], float] = time.time,
+        engines: dict[str, EnginePool] | None = None,
+        decoders: Mapping[str, ServedDecoder] | None = None,
+        load_engine: Callable[[str, int], EnginePool] | None = None,
     ) -> None:
         """Args:
         registry: the served models (routes and loaded versions change here).
@@ -76,6 +99,9 @@ class PolicyApplier:
         cache: where the last good document from the control plane is kept.
         telemetry: counts refusals and is rebuilt when a document changes buckets or interval.
         agent_id: documents for another agent are refused (None: not checked).
+        engines: the generative models' pools by name, the dict the APIs read (a variant switch changes it in place).
+        decoders: per generative model, what a document is checked against.
+        load_engine: loads a decoder version's pool (name, version) after its memory check; runs on a worker thread.
         """
         self.registry = registry
         self.served = dict(served)
@@ -85,7 +111,11 @@ class PolicyApplier:
         self.telemetry = telemetry
         self.agent_id = agent_id
         self._clock = clock
-        self.plan: Plan = local_plan(self.served)
+        self.engines: dict[str, EnginePool] = engines if engines is not None else {}
+        self.decoders = dict(decoders or {})
+        self._load_engine = load_engine
+        self.retiring_engines: list[EnginePool] = []  # switched away from, finishing their running streams
+        self.plan: Plan = local_plan(self.served, self.decoders)
         self.etag: str | None = None
         self.applied_at: float | None = None
         self.refusals = 0
@@ -108,6 +138,7 @@ class PolicyApplier:
     # ---- the hot path ------------------------------------------------------------------------
 
     def plan_for(self, name: str) -> ModelPlan | None:
+        """The active policy of a served model, V2 or generative (None: not served)."""
         return self.plan.models.get(name)
 
     # ---- applying ----------------------------------------------------------------------------
@@ -120,20 +151,27 @@ class PolicyApplier:
             try:
                 if self.agent_id is not None and document.agent != self.agent_id:
                     raise PolicyRefused(f"agent: the document is for agent {document.agent!r}, not {self.agent_id!r}")
-                plan = build_plan(document, source, self.served)
+                plan = build_plan(document, source, self.served, self.decoders)
             except PolicyRefused as exc:
                 self.refuse(str(exc), document.version, source)
                 return False
             try:
                 loads, unloads = self._version_changes(plan)
+                switches = self._engine_switches(plan)
                 loaded = await self._load_all(loads)
+                try:
+                    engines = await self._load_engines(switches)
+                except PolicyRefused:
+                    await asyncio.gather(*(asyncio.to_thread(m.worker.close) for m in loaded))
+                    raise
             except PolicyRefused as exc:
                 self.refuse(str(exc), document.version, source)
                 return False
             if self.closing:  # the agent began draining while versions loaded: they will serve nobody
-                await asyncio.gather(*(asyncio.to_thread(m.worker.close) for m in loaded))
+                await asyncio.gather(*(asyncio.to_thread(m.worker.close) for m in loaded),
+                                     *(asyncio.to_thread(pool.close) for pool in engines.values()))  # fmt: skip
                 return False
-            self._commit(plan, loaded, unloads, etag)
+            self._commit(plan, loaded, unloads, etag, engines)
             if self.telemetry is not None:
                 try:
                     await self.telemetry.reconfigure(plan.latency_buckets_ms, plan.export_interval_s)
@@ -206,6 +244,8 @@ class PolicyApplier:
         loads: list[ModelVersion] = []
         unloads: list[tuple[str, int]] = []
         for name, model_plan in plan.models.items():
+            if name not in self.served:  # a generative model: see _engine_switches
+                continue
             target = self._target_versions(name, model_plan)
             loaded = set(self.registry.versions(name))
             for version in sorted(target - loaded):
@@ -219,6 +259,41 @@ class PolicyApplier:
                         raise PolicyRefused(f"models[{name!r}]: cannot load v{version} again: {exc}") from None
             unloads += [(name, version) for version in sorted(loaded - target)]
         return loads, unloads
+
+    def _engine_switches(self, plan: Plan) -> list[tuple[str, int]]:
+        """The decoders whose served version changes: (name, the version to load)."""
+        switches = []
+        for name, decoder in self.decoders.items():
+            pool = self.engines.get(name)
+            model_plan = plan.models.get(name)
+            if pool is None or model_plan is None:
+                continue
+            target = decoder.default_version if model_plan.decoder_variant is None else model_plan.decoder_variant
+            if _version_number(pool.version) != target:
+                if self._load_engine is None:
+                    raise PolicyRefused(f"models[{name!r}].variant: this agent cannot load decoder versions")
+                switches.append((name, target))
+        return switches
+
+    async def _load_engines(self, switches: list[tuple[str, int]]) -> dict[str, EnginePool]:
+        """Each decoder version's pool, loaded off the event loop; a failure closes what was loaded and refuses."""
+        loaded: dict[str, EnginePool] = {}
+        load = self._load_engine
+        try:
+            for name, version in switches:
+                assert load is not None  # _engine_switches refuses a switch without it
+                self.transitions[name] = f"loading v{version}"
+                try:
+                    loaded[name] = await asyncio.to_thread(load, name, version)
+                except Exception as exc:  # the memory check, a bad graph or config: all refuse the document
+                    raise PolicyRefused(f"models[{name!r}]: cannot load v{version}: {exc}") from None
+        except PolicyRefused:
+            await asyncio.gather(*(asyncio.to_thread(pool.close) for pool in loaded.values()))
+            raise
+        finally:
+            for name, _ in switches:
+                self.transitions.pop(name, None)
+        return loaded
 
     async def _load_all(self, versions: list[ModelVersion]) -> list[LoadedModel]:
         loaded: list[LoadedModel] = []
@@ -239,26 +314,56 @@ class PolicyApplier:
                 self.transitions.pop(version.config.name, None)
         return loaded
 
-    def _commit(self, plan: Plan, loaded: list[LoadedModel], unloads: list[tuple[str, int]], etag: str | None) -> None:
+    def _commit(self, plan: Plan, loaded: list[LoadedModel], unloads: list[tuple[str, int]], etag: str | None,
+                engines: Mapping[str, EnginePool] | None = None) -> None:  # fmt: skip
         """Everything that changes routing and admission, in one step on the event loop."""
         for model in loaded:
             self.registry.add(model)
             if self.telemetry is not None:
                 self.telemetry.attach(model)
         for name, model_plan in plan.models.items():
+            if name not in self.served:
+                continue
             self.registry.set_variant(name, None if model_plan.variant is None else model_plan.variant.version)
             delay = model_plan.max_queue_delay_us
             for model in self.registry.of(name):
                 model.worker.retune(max_queue_delay_s=None if delay is None else delay / 1e6,
                                     preferred_batch_sizes=model_plan.preferred_batch_sizes)  # fmt: skip
+        for name, pool in (engines or {}).items():
+            old = self.engines[name]
+            if self.telemetry is not None:  # (it puts `pool` in its dict, the same one, under its collection lock)
+                self.telemetry.engine_swapped(name, pool, old)
+            self.engines[name] = pool  # in place: the APIs read this dict, so the next stream goes to `pool`
+            self.retiring_engines.append(old)
+            self._background(self._retire_engine(old))
+            log.info("%s: new streams go to v%s; v%s finishes its %d stream(s), then unloads", name, pool.version,
+                     old.version, old.active)  # fmt: skip
+        for name, pool in self.engines.items():
+            limits = plan.models.get(name)
+            if limits is not None:
+                pool.limit(limits.max_num_seqs, limits.max_num_batched_tokens)
         self.plan = plan
         self.etag = etag
         self.applied_at = self._clock()
         for name, version in unloads:
             retired = self.registry.retire(name, version)
-            task = asyncio.get_running_loop().create_task(self._unload(retired))
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
+            self._background(self._unload(retired))
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _retire_engine(self, pool: EnginePool) -> None:
+        """Close a decoder pool switched away from once its streams (running and waiting) have ended."""
+        try:
+            await pool.drain()
+            await asyncio.to_thread(pool.close)
+            log.info("unloaded %s v%s", pool.name, pool.version)
+        finally:
+            self.retiring_engines.remove(pool)
+            if self.telemetry is not None:
+                self.telemetry.engine_retired(pool)
 
     async def _unload(self, model: LoadedModel) -> None:
         """Close a version once everything it had queued or running has been answered."""
@@ -320,6 +425,40 @@ class PolicyApplier:
             "models": models,
         }
 
+    def generative_json(self) -> dict[str, Any]:
+        """Per generative model: its engine's state (EnginePool.json), the version it serves and those still
+        finishing their streams, and the effective limits (the configured ones, or lower under the policy)."""
+        models: dict[str, Any] = {}
+        for name in sorted(self.engines):
+            pool = self.engines[name]
+            plan = self.plan.models.get(name)
+            decoder = self.decoders.get(name)
+            served = _version_number(pool.version)
+            default = served if decoder is None else decoder.default_version
+            retiring = sorted(_version_number(old.version) for old in self.retiring_engines if old.name == name)
+            models[name] = {
+                **pool.json(),
+                "default_version": default,
+                "served_version": served,
+                "variant": None if served == default else served,
+                "retiring_versions": retiring,
+                "transition": self.transitions.get(name),
+                "limits": {
+                    "max_num_seqs": pool.max_num_seqs,
+                    "max_num_batched_tokens": pool.max_num_batched_tokens,
+                    "max_tokens_cap": None if plan is None else plan.max_tokens_cap,
+                },
+                "configured_limits": {
+                    "max_num_seqs": pool.configured_max_num_seqs,
+                    "max_num_batched_tokens": pool.configured_max_num_batched_tokens,
+                },
+                "fallback_text_configured": pool.fallback_text is not None,
+                "shed": None if plan is None else plan.json()["shed"],
+                "fallback": None if plan is None else plan.json()["fallback"],
+                "overflow": None if plan is None else plan.json()["overflow"],
+            }
+        return models
+
     def _cache_json(self) -> dict[str, Any]:
         assert self.cache is not None
         behind = self._cache_behind
@@ -331,6 +470,11 @@ class PolicyApplier:
             "consecutive_failures": self.cache_writes.failures,
             "last_error": self.cache_writes.last_error,
         }
+
+
+def _version_number(version: str) -> int:
+    """A decoder pool's version (its directory's name) as a number; 0 for one that is not numbered."""
+    return int(version) if version.isdigit() else 0
 
 
 def isoformat_utc(seconds: float) -> str:

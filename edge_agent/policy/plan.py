@@ -7,6 +7,13 @@ cannot take, default outputs that are not the model's outputs. A refused documen
 Entries for models the agent does not serve are ignored (a fleet-wide rule may name models some agents lack).
 Batching fields are ignored for models without dynamic batching when they come from the `*` entry, and refused
 when the model's own entry sets them. Where shed and fallback both cover a priority level, the fallback answers.
+
+Generative models (decoders, `ServedDecoder`) take part too: their variant must be a decoder version on disk, a
+fallback `default` answers with `default_text` and a V2 model's with `default_outputs` (the other kind is refused,
+but where the `*` entry gives both, for an agent serving both kinds, each model takes its own), and
+their limits (`max_tokens_cap`, `max_num_seqs`, `max_num_batched_tokens`) go into the plan as given: the engines
+clamp them to what is configured. The generative fields are ignored for V2 models, and V2 batching fields for
+decoders when they come from `*` (refused in a decoder's own entry).
 """
 
 from __future__ import annotations
@@ -44,6 +51,22 @@ class ServedModel:
 
 
 @dataclass(frozen=True)
+class ServedDecoder:
+    """What a generative model's policy is checked against: where its versions are and which one serves by default."""
+
+    folder: Path  # the model's directory in the repository: <repo>/<name>, its versions under it
+    default_version: int
+    overflow: Overflow | None = None  # the agent's own setting, where no document says otherwise
+
+    def versions_on_disk(self) -> list[int]:
+        """The decoder versions on disk: numbered directories holding `genai_config.json`."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(int(d.name) for d in self.folder.iterdir()
+                      if d.name.isdigit() and (d / "genai_config.json").is_file())  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ModelPlan:
     """One model's effective policy. Batching fields are None where the model's configuration applies."""
 
@@ -59,6 +82,14 @@ class ModelPlan:
     max_tokens_cap: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    decoder_variant: int | None = None  # generative models: the decoder version served in place of the default
+
+    @property
+    def default_text(self) -> str | None:
+        """A generative model's fallback answer in mode `default` (None: the model config's `fallback_text`)."""
+        if self.fallback is None or self.fallback.mode != "default":
+            return None
+        return self.fallback.default_text
 
     def admission(self, level: int, draw: float = 1.0) -> Admission:
         """What happens to a request at priority level `level` (1 highest) on arrival; `draw` is uniform in [0, 1)
@@ -78,8 +109,9 @@ class ModelPlan:
         fallback = None
         if self.fallback is not None:
             fallback = {"at_or_below": self.fallback.at_or_below, "mode": self.fallback.mode}
+        variant = self.decoder_variant if self.variant is None else self.variant.version
         return {
-            "variant": None if self.variant is None else self.variant.version,
+            "variant": variant,
             "overflow": None if self.overflow is None else self.overflow.model_dump(),
             "shed": None if self.shed is None else self.shed.model_dump(),
             "fallback": fallback,
@@ -114,14 +146,19 @@ class Plan:
         return None if self.document is None else self.document.poll_interval_s
 
 
-def local_plan(served: Mapping[str, ServedModel]) -> Plan:
+def local_plan(served: Mapping[str, ServedModel], decoders: Mapping[str, ServedDecoder] | None = None) -> Plan:
     """The agent as configured, with no policy document."""
-    return Plan(models={name: ModelPlan(name, overflow=model.overflow) for name, model in served.items()})
+    everything: dict[str, ServedModel | ServedDecoder] = {**served, **(decoders or {})}
+    return Plan(models={name: ModelPlan(name, overflow=model.overflow) for name, model in everything.items()})
 
 
-def build_plan(document: PolicyDocument, source: Source, served: Mapping[str, ServedModel]) -> Plan:
-    """Check `document` against the served models; raises PolicyRefused naming the model and the field."""
+def build_plan(document: PolicyDocument, source: Source, served: Mapping[str, ServedModel],
+               decoders: Mapping[str, ServedDecoder] | None = None) -> Plan:  # fmt: skip
+    """Check `document` against the served models (V2 `served`, generative `decoders`); raises PolicyRefused naming
+    the model and the field."""
     models: dict[str, ModelPlan] = {}
+    for name, decoder in (decoders or {}).items():
+        models[name] = _decoder_plan(document, name, decoder)
     for name, model in served.items():
         policy = document.for_model(name)
         own = document.models.get(name)
@@ -136,6 +173,11 @@ def build_plan(document: PolicyDocument, source: Source, served: Mapping[str, Se
                                      explicit=own is not None)  # fmt: skip
         defaults = None
         if policy.fallback is not None and policy.fallback.mode == "default":
+            if policy.fallback.default_text is not None and (
+                not policy.fallback.default_outputs or (own is not None and own.fallback is not None)
+            ):
+                raise PolicyRefused(f"{where}.fallback.default_text: {name!r} is a V2 model: mode 'default' answers "
+                                    "with default_outputs (tensors), not text")  # fmt: skip
             defaults = validate_default_outputs(
                 f"{where}.fallback", model.config, policy.fallback.default_outputs or []
             )
@@ -143,6 +185,32 @@ def build_plan(document: PolicyDocument, source: Source, served: Mapping[str, Se
         models[name] = ModelPlan(name, variant, delay, preferred, policy.shed, policy.fallback, defaults, overflow,
                                  policy.max_tokens_cap, policy.max_num_seqs, policy.max_num_batched_tokens)  # fmt: skip
     return Plan(source, document, models)
+
+
+def _decoder_plan(document: PolicyDocument, name: str, decoder: ServedDecoder) -> ModelPlan:
+    policy = document.for_model(name)
+    own = document.models.get(name)
+    where = f"models[{name!r}]"
+    if own is not None and (own.max_queue_delay_us is not None or own.preferred_batch_sizes is not None):
+        raise PolicyRefused(f"{where}: max_queue_delay_us/preferred_batch_sizes: {name!r} is a generative model; "
+                            "its engine's limits are max_num_seqs and max_num_batched_tokens")  # fmt: skip
+    variant = None
+    if policy.variant is not None and policy.variant != decoder.default_version:
+        on_disk = decoder.versions_on_disk()
+        if policy.variant not in on_disk:
+            raise PolicyRefused(f"{where}.variant: the decoder {name!r} has no version {policy.variant} on disk "
+                                f"(it has: {on_disk}; a version is a directory holding genai_config.json)")  # fmt: skip
+        variant = policy.variant
+    fallback = policy.fallback
+    if (fallback is not None and fallback.mode == "default" and fallback.default_outputs
+            and (not fallback.default_text or (own is not None and own.fallback is not None))):  # fmt: skip
+        # (The `*` entry may give both kinds, for an agent serving both: each model takes its own.)
+        raise PolicyRefused(f"{where}.fallback.default_outputs: {name!r} is a generative model: mode 'default' "
+                            "answers with default_text, not V2 output tensors")  # fmt: skip
+    overflow = policy.overflow if policy.overflow is not None else decoder.overflow
+    return ModelPlan(name, shed=policy.shed, fallback=fallback, overflow=overflow,
+                     max_tokens_cap=policy.max_tokens_cap, max_num_seqs=policy.max_num_seqs,
+                     max_num_batched_tokens=policy.max_num_batched_tokens, decoder_variant=variant)  # fmt: skip
 
 
 def _batching(

@@ -25,7 +25,12 @@ class HostMemoryError(AgentError, RuntimeError):
 
 def model_bytes(version: ModelVersion) -> int:
     """The size of the files in the version's directory (the model and any external weights)."""
-    return sum(entry.stat().st_size for entry in version.path.parent.iterdir() if entry.is_file())
+    return folder_bytes(version.path.parent)
+
+
+def folder_bytes(folder: Path) -> int:
+    """The size of the files in a version's directory (a decoder's: its model, weights, tokenizer)."""
+    return sum(entry.stat().st_size for entry in folder.iterdir() if entry.is_file())
 
 
 def available_host_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
@@ -52,7 +57,22 @@ def check_load_fits(
 
     Returns which memory was checked ("gpu", "host", or "unmeasured" when neither can be measured).
     """
-    needed = int(model_bytes(version) * LOAD_FACTOR)
+    return check_folder_fits(f"{version.config.name} v{version.version}", version.path.parent, providers,
+                             device_id=device_id, headroom=headroom, meminfo=meminfo)  # fmt: skip
+
+
+def check_folder_fits(
+    what: str,
+    folder: Path,
+    providers: Sequence[str],
+    *,
+    device_id: int = 0,
+    headroom: int = 256 * gpu.MiB,
+    meminfo: Path = Path("/proc/meminfo"),
+) -> str:
+    """`check_load_fits` for the files of a version's directory, named `what` in the message (a decoder's version
+    has no V2 model config)."""
+    needed = int(folder_bytes(folder) * LOAD_FACTOR)
     if any(name in gpu.GPU_PROVIDERS for name in providers) and gpu.check_fits(needed, device_id, headroom) is not None:
         return "gpu"
     available = available_host_memory(meminfo)
@@ -60,7 +80,7 @@ def check_load_fits(
         return "unmeasured"
     if needed + headroom > available:
         raise HostMemoryError(
-            f"{version.config.name} v{version.version} needs about {needed / gpu.MiB:.0f} MiB plus "
+            f"{what} needs about {needed / gpu.MiB:.0f} MiB plus "
             f"{headroom / gpu.MiB:.0f} MiB headroom beside the running version, but only "
             f"{available / gpu.MiB:.0f} MiB of host memory are available"
         )

@@ -16,7 +16,7 @@ from edge_agent.config import AgentConfig
 from edge_agent.overflow.fallback import ResponseCache
 from edge_agent.policy.apply import PolicyApplier
 from edge_agent.policy.cache import PolicyCache
-from edge_agent.policy.plan import PolicyRefused, ServedModel, validate_default_outputs
+from edge_agent.policy.plan import PolicyRefused, ServedDecoder, ServedModel, validate_default_outputs
 from edge_agent.runtime.config import ModelConfigError
 from edge_agent.runtime.repository import UnknownModelError, check_onnx_graph, load_repository
 from edge_agent.scheduling.core import Scheduler, SchedulerConfig, level_policies
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from edge_agent.overflow.forward import Forwarder
     from edge_agent.overflow.queue import AsyncQueue
     from edge_agent.policy.client import PolicyPoller
+    from edge_agent.runtime.repository import GenerativeModel
     from edge_agent.telemetry import LiveTelemetry
 
 log = logging.getLogger("spillway.agent")
@@ -117,6 +118,26 @@ def check_variant_fits(version: ModelVersion, agent: AgentConfig) -> None:
     check_load_fits(version, providers, device_id=agent.device_id, headroom=agent.load_headroom_bytes)
 
 
+def load_decoder_version(name: str, model: GenerativeModel, version: int, agent: AgentConfig) -> EnginePool:
+    """Load another version of a generative model (a policy's variant, or the default again), with the model's
+    config and the agent's settings, after checking its files fit beside what runs (GpuMemoryError,
+    HostMemoryError); the load itself checks the KV budget against the memory free then (ModelConfigError)."""
+    import onnxruntime as ort
+
+    from edge_agent.generation.load import load_engine
+    from edge_agent.runtime.memory import check_folder_fits
+    from edge_agent.runtime.runner import PREFERRED_PROVIDERS, choose_providers
+
+    folder = model.folder.parent / str(version)
+    wanted = agent.providers or [p for p in PREFERRED_PROVIDERS if p != "TensorrtExecutionProvider"]
+    providers = choose_providers(ort.get_available_providers(), wanted)
+    check_folder_fits(f"{name} v{version}", folder, providers, device_id=agent.device_id,
+                      headroom=agent.load_headroom_bytes)  # fmt: skip
+    return load_engine(name, folder, agent.generation, model=model.config, threads=agent.intra_op_threads,
+                       providers=agent.providers, device_id=agent.device_id,
+                       gpu_mem_limit=agent.gpu_mem_limit)  # fmt: skip
+
+
 @dataclass
 class Agent:
     """The serving app and everything that changes it while it serves."""
@@ -149,7 +170,7 @@ class Agent:
                 for (priority, outcome), count in sorted(m.worker.stats.outcomes.items())
             ],
             "telemetry": None if self.telemetry is None else self.telemetry.json(),
-            "generative": {name: engine.json() for name, engine in self.engines.items()},
+            "generative": self.applier.generative_json(),
         }
 
     async def start(self) -> None:
@@ -223,6 +244,10 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         )
         for name in registry.names()
     }
+    generative = _generative_models(config)
+    engines = _generative(config, generative)
+    decoders = {name: ServedDecoder(model.folder.parent, int(model.folder.name), overflow=local_overflow)
+                for name, model in generative.items()}  # fmt: skip
     agent_id = config.agent_id or socket.gethostname()
     polling = config.control_plane is not None and config.agent_token is not None
     applier = PolicyApplier(
@@ -232,8 +257,10 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         check_fits=lambda version: check_variant_fits(version, config),
         cache=PolicyCache(config.state_dir, agent_id) if polling else None,
         agent_id=agent_id,
+        engines=engines,
+        decoders=decoders,
+        load_engine=lambda name, version: load_decoder_version(name, generative[name], version, config),
     )
-    engines = _generative(config)
     telemetry = None
     settings = config.telemetry()
     if settings is not None:
@@ -279,7 +306,9 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         from edge_agent.serving.openai_api import OpenAIApi
 
         openai = OpenAIApi(engines, max_body_bytes=config.max_body_bytes,
-                           default_max_tokens=config.generation.default_max_tokens)  # fmt: skip
+                           default_max_tokens=config.generation.default_max_tokens, policy=applier,
+                           forwarder=forwarder, cache_bytes=config.fallback_cache_bytes,
+                           cache_ttl_s=config.overflow.cache_ttl_s, jobs=jobs)  # fmt: skip
     app = InferenceApp(
         registry,
         token=config.token.get_secret_value() if config.token else None,
@@ -300,16 +329,19 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
     return agent
 
 
-def _generative(config: AgentConfig) -> dict[str, EnginePool]:
-    """An engine for each generative model of the repository (ModelConfigError naming what does not fit)."""
+def _generative_models(config: AgentConfig) -> dict[str, GenerativeModel]:
     from edge_agent.runtime.repository import generative_models
 
-    found = generative_models(config.model_repository)
+    return generative_models(config.model_repository)
+
+
+def _generative(config: AgentConfig, found: dict[str, GenerativeModel]) -> dict[str, EnginePool]:
+    """An engine for each generative model of the repository (ModelConfigError naming what does not fit)."""
     if not found:
         return {}
     from edge_agent.generation.load import load_engine
 
-    engines = {}
+    engines: dict[str, EnginePool] = {}
     for name, model in found.items():
         engines[name] = load_engine(name, model.folder, config.generation, model=model.config,
                                     threads=config.intra_op_threads, providers=config.providers,

@@ -1,12 +1,18 @@
 """The agent's telemetry while policies change it: every served model version hooked to the instruments, and the
 whole pipeline rebuilt when a policy changes the histogram buckets or the export interval (OpenTelemetry views
-and readers are fixed once a meter provider exists)."""
+and readers are fixed once a meter provider exists).
+
+Generative models: the engines dict is the one the APIs read (a variant switch puts the new pool in it); a pool
+switched away from stays hooked while it finishes its streams, and its gauges (active streams, KV blocks, queue
+depth) add up with the served pool's under the model's name until it is closed. The preemption counter stays
+monotonic across switches: a closed pool's count is carried over."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -29,19 +35,23 @@ class LiveTelemetry:
         *,
         factory: Callable[[TelemetrySettings], AgentTelemetry] = AgentTelemetry,
         policy: Callable[[], tuple[int, str]] | None = None,
-        engines: Mapping[str, EnginePool] | None = None,
+        engines: dict[str, EnginePool] | None = None,
     ) -> None:
         """Args:
         base: the settings from the agent's config (a policy overrides buckets and interval only).
         registry: the served models; versions a policy loads later are hooked with `attach`.
         factory: builds the AgentTelemetry (tests give it an in-memory reader).
         policy: the active policy's (version, source), for the `spillway.policy.version` gauge.
+        engines: the generative models' pools by name: the dict itself, read at every collection.
         """
         self.base = base
         self.registry = registry
         self._factory = factory
         self._policy = policy
-        self.engines = dict(engines or {})
+        self.engines: dict[str, EnginePool] = engines if engines is not None else {}
+        self.retiring: list[EnginePool] = []  # switched away from, still finishing streams
+        self._closed_preemptions: dict[str, int] = {}  # by model: preemptions of its pools closed since start
+        self._pools = threading.Lock()  # a collection (the exporter's thread) sees a pool in one place, never two
         self.settings = base
         self.current = self._start(base)
 
@@ -54,17 +64,49 @@ class LiveTelemetry:
             for model in self.registry.all():
                 for level, depth in enumerate(model.worker.scheduler.depth(), 1):
                     yield {"model": model.config.name, "model.version": str(model.version), "priority": level}, depth
-            for name, engine in self.engines.items():
+            for engine in [*self.engines.values(), *self.retiring]:
                 for level, depth in enumerate(engine.waiting_by_level(), 1):
-                    yield {"model": name, "model.version": engine.version, "priority": level}, depth
+                    yield {"model": engine.name, "model.version": engine.version, "priority": level}, depth
 
         telemetry.watch_queue(depths)
-        for name, engine in self.engines.items():
-            engine.listener = telemetry.generation(name, engine.version)
-        telemetry.watch_engines(lambda: [(name, engine.json()) for name, engine in self.engines.items()])
+        for engine in [*self.engines.values(), *self.retiring]:
+            engine.listener = telemetry.generation(engine.name, engine.version)
+        telemetry.watch_engines(self._engine_states)
         if self._policy is not None:
             telemetry.watch_policy(self._policy)
         return telemetry
+
+    def _engine_states(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(model, state) per generative model: the served pool's state with its retiring pools' added."""
+        with self._pools:
+            served, retiring, closed = list(self.engines.items()), list(self.retiring), dict(self._closed_preemptions)
+        for name, engine in served:
+            state = engine.json()
+            for old in [pool for pool in retiring if pool.name == name]:
+                before = old.json()
+                for key in ("running", "waiting", "active", "preemptions"):
+                    state[key] += before[key]
+                blocks, old_blocks = state["kv_blocks"], before["kv_blocks"]
+                state["kv_blocks"] = {**blocks, "used": blocks["used"] + old_blocks["used"],
+                                      "total": blocks["total"] + old_blocks["total"]}  # fmt: skip
+            state["preemptions"] += closed.get(name, 0)
+            yield name, state
+
+    def engine_swapped(self, name: str, new: EnginePool, old: EnginePool) -> None:
+        """A variant switch: `new` serves `name` now (hooked here, and put in the engines dict), `old` finishes its
+        streams (still counted)."""
+        new.listener = self.current.generation(name, new.version)
+        with self._pools:
+            self.engines[name] = new
+            self.retiring.append(old)
+
+    def engine_retired(self, old: EnginePool) -> None:
+        """A pool switched away from is closed: its gauges go, its preemptions stay counted."""
+        preemptions = old.json()["preemptions"]
+        with self._pools:
+            if old in self.retiring:
+                self.retiring.remove(old)
+                self._closed_preemptions[old.name] = self._closed_preemptions.get(old.name, 0) + preemptions
 
     def attach(self, model: LoadedModel) -> None:
         """Hook a newly loaded model version to the instruments."""

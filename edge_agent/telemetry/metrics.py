@@ -122,6 +122,8 @@ class AgentTelemetry:
                                       description="KV-cache blocks of the budget")  # fmt: skip
         self.step_tokens = meter.create_histogram(names.STEP_TOKENS, unit="{token}",
                                                   description="tokens one generation step computed")  # fmt: skip
+        meter.create_observable_gauge(names.ACTIVE_STREAMS, callbacks=[self._observe("active")], unit="{sequence}",
+                                      description="sequences admitted and not yet finished")  # fmt: skip
         meter.create_observable_counter(names.PREEMPTIONS, callbacks=[self._observe("preemptions")],
                                         unit="{sequence}", description="sequences preempted (recomputed)")  # fmt: skip
         if probes:
@@ -136,7 +138,7 @@ class AgentTelemetry:
         def observe(_options: CallbackOptions) -> Iterable[Observation]:
             for source in self._engine_sources:
                 for model, state in source():
-                    value = state["preemptions"] if key == "preemptions" else state["kv_blocks"][key]
+                    value = state[key] if key in ("preemptions", "active") else state["kv_blocks"][key]
                     yield Observation(value, {names.ATTR_MODEL: model})
 
         return observe

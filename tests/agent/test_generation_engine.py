@@ -164,6 +164,8 @@ def test_generative_telemetry_follows_the_genai_conventions(engine: GenerationEn
     assert outcomes == {(2, "local"): 1, (2, "rejected"): 1}  # the too-long one counted, once
     (total,) = points[names.KV_BLOCKS_TOTAL]
     assert total.value == engine.scheduler.blocks.total and points[names.KV_BLOCKS_USED][0].value == 0
+    (active,) = points[names.ACTIVE_STREAMS]  # every stream ended (test_generation_policy sees running ones)
+    assert active.value == 0 and dict(active.attributes or {}) == {names.ATTR_MODEL: "tiny-lm"}
     (step_tokens,) = points[names.STEP_TOKENS]  # every prompt token once, then one decode per later token
     assert step_tokens.sum == len(b"measure me") + chunks[-1].completion_tokens - 1
     assert step_tokens.count == engine.timing.steps and tuple(step_tokens.explicit_bounds) == names.STEP_TOKEN_BUCKETS

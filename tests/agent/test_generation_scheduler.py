@@ -319,3 +319,45 @@ def test_preemption_and_recompute_leave_greedy_output_unchanged(runner: DecoderR
     assert s.idle and s.blocks.used_blocks == 0 and runner.caches == {}
     assert s.preemptions > 0  # the budget did force recomputes
     assert [q.payload[q.prompt :] for q in sequences] == expected
+
+
+def test_lowered_limits_let_running_sequences_finish_and_admit_nobody_until_under_them() -> None:
+    s = _scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    for i in range(4):
+        _admit(s, 8, level=3, at=0.01 * i, max_tokens=4 + i)
+    _run(s, s.step())
+    assert len(s.running) == 4
+    s.limit(max_num_seqs=2, max_num_batched_tokens=1000)  # the budget never above the configured one
+    assert (s.config.max_num_seqs, s.config.max_num_batched_tokens) == (2, 64)
+    urgent = _admit(s, 8, level=1, at=1.0)  # would preempt a lower level were the sequences only full
+    queued = _admit(s, 8, level=3, at=1.1)
+    over = 0
+    while urgent.state == "waiting":
+        before = len(s.running)
+        plan = s.step()
+        if before > 2:  # over the limit nobody joins, nor swaps in by preemption: the running ones finish
+            over += 1
+            assert plan.preempted == () and len(s.running) <= before
+        assert len(s.running) <= max(before, 2)
+        _run(s, plan)
+    assert over > 0 and len(s.running) <= 2  # (at the limit, a higher level may still preempt its way in)
+    # Reverting restores the configured limits: the queued one joins beside the others at once.
+    s.limit()
+    assert (s.config.max_num_seqs, s.config.max_num_batched_tokens) == (4, 64) and s.config == s.configured
+    _run(s, s.step())
+    assert queued.state == "running"
+
+
+def test_the_sequences_never_exceed_the_lowered_budget_and_the_prediction_counts_the_excess() -> None:
+    s = _scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    s.limit(max_num_batched_tokens=3)  # a decode token each: at most 3 sequences
+    assert (s.config.max_num_seqs, s.config.max_num_batched_tokens) == (3, 3)
+    s.limit(max_num_seqs=8)
+    assert s.config.max_num_seqs == 4  # never above the configured one
+    s = _scheduler(max_num_seqs=4)
+    for i in range(4):
+        _admit(s, 8, level=2, at=0.01 * i, max_tokens=10 * (i + 1))
+    _run(s, s.step())
+    full = s.predict_first_token_s(2, 8, 1.0)
+    s.limit(max_num_seqs=2)  # a place frees only once three of the four have ended: later than one of four
+    assert s.predict_first_token_s(2, 8, 1.0) > full
