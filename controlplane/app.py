@@ -36,7 +36,7 @@ from controlplane.schemas.access import AgentCreate, AgentPatch, AgentRead
 from controlplane.schemas.backends import BackendCreate, BackendPatch, BackendRead
 from controlplane.schemas.common import ERROR_RESPONSES
 from controlplane.schemas.rules import RuleCreate, RulePatch, RuleRead
-from controlplane.schemas.slos import SloCreate, SloPatch, SloRead
+from controlplane.schemas.slos import GENAI_THRESHOLDS_MS, SloCreate, SloPatch, SloRead, genai_threshold_problem
 from controlplane.settings import Settings
 from controlplane.slo.windows import SloWindows
 
@@ -59,14 +59,21 @@ def agent_reader(stale_after_s: float) -> Any:
 
 
 def threshold_on_boundary(boundaries_ms: list[float]) -> Any:
-    """A latency SLO's (or latency rule's) threshold must be a histogram bucket boundary, else it is not exact."""
+    """A latency SLO's (or latency rule's) threshold must be a histogram bucket boundary, else it is not exact; a
+    ttft or tpot one (an SLO's `sli_kind`, a latency condition's `metric`) a boundary of that GenAI histogram."""
 
     def check(values: dict[str, Any]) -> None:
         threshold = values.get("threshold_ms")
-        field = "body.threshold_ms"
+        field, kind = "body.threshold_ms", values.get("sli_kind")
         condition = values.get("condition")
         if isinstance(condition, dict) and condition.get("kind") == "latency":  # a rule's latency condition
             threshold, field = condition.get("threshold_ms"), "body.condition.latency.threshold_ms"
+            kind = condition.get("metric")
+        if threshold is not None and kind in GENAI_THRESHOLDS_MS:
+            problem = genai_threshold_problem(str(kind), threshold)
+            if problem is not None:
+                raise ValidationFailed.field(field, problem)
+            return
         if threshold is not None and not any(abs(threshold - b) <= 1e-9 * b for b in boundaries_ms):
             listed = ", ".join(f"{b:g}" for b in sorted(boundaries_ms))
             raise ValidationFailed.field(

@@ -1,6 +1,7 @@
 """The minute rollups read back: one reader that every part decoding them uses (`read_rollups`, `RollupReader`),
 and one agent's recent telemetry summarised from them: request rates and outcome mix, latency percentiles, queue
-and compute times, batch sizes, queue depths and device gauges.
+and compute times, batch sizes, queue depths and device gauges, and for generative models their OTel GenAI
+figures (time to first token and per output token, tokens per second, KV-cache use, preemptions, open streams).
 
 Histograms keep OTLP's explicit-bucket layout (bucket i holds (bounds[i-1], bounds[i]], the last one is +Inf).
 Percentiles are estimated like Prometheus' `histogram_quantile`: linear interpolation inside the bucket that holds
@@ -28,12 +29,23 @@ from sqlalchemy.orm import Session
 from controlplane.db.models import Agent, MetricRollup, utcnow
 from controlplane.errors import NotFound, ValidationFailed
 from spillway.contract.names import (
+    ACTIVE_STREAMS,
+    ATTR_GENAI_MODEL,
+    ATTR_GENAI_TOKEN_TYPE,
     ATTR_MODEL,
     ATTR_OUTCOME,
     ATTR_PRIORITY,
     ATTR_VERSION,
     BATCH_SIZE,
     COMPUTE_DURATION,
+    GENAI_METRICS,
+    GENAI_REQUEST_DURATION,
+    GENAI_TOKEN_USAGE,
+    GENAI_TPOT,
+    GENAI_TTFT,
+    KV_BLOCKS_TOTAL,
+    KV_BLOCKS_USED,
+    PREEMPTIONS,
     QUEUE_DEPTH,
     QUEUE_DURATION,
     REQUEST_DURATION,
@@ -179,6 +191,23 @@ class _Traffic:
     outcomes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     durations: dict[str, _Layouts] = field(default_factory=lambda: defaultdict(_Layouts))
     depth_by_minute: dict[datetime, list[float]] = field(default_factory=dict)  # minute -> [sum of last, of max]
+
+
+_GENAI_HISTOGRAMS = (GENAI_TTFT, GENAI_TPOT, GENAI_REQUEST_DURATION)  # seconds, by gen_ai.request.model
+_GENERATION_GAUGES = (KV_BLOCKS_USED, KV_BLOCKS_TOTAL, ACTIVE_STREAMS)  # by model
+GENERATION_METRICS = (*GENAI_METRICS, PREEMPTIONS, *_GENERATION_GAUGES)
+"""Every metric a generative model reports beside `spillway.requests`: what `agent_metrics` reads for them."""
+
+
+@dataclass
+class _Generation:
+    """One generative model of an agent: its GenAI histograms, tokens by type, generation gauges and preemptions.
+    The OTel GenAI metrics name the model `gen_ai.request.model`, Spillway's own ones `model`: one name here."""
+
+    histograms: dict[str, _Layouts] = field(default_factory=lambda: defaultdict(_Layouts))
+    tokens: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # gen_ai.token.type -> tokens
+    gauges: dict[str, dict[datetime, float]] = field(default_factory=lambda: defaultdict(dict))  # minute -> sum
+    preemptions: float = 0.0
 
 
 @dataclass
@@ -384,8 +413,12 @@ def summarise(rows: Iterable[Rollup | Any], *, since: datetime, until: datetime)
     traffic: dict[tuple[str | None, int | None], _Traffic] = defaultdict(_Traffic)
     batches: dict[str | None, _Layouts] = defaultdict(_Layouts)
     gauges: dict[tuple[str, str], _Gauge] = {}
+    generation: dict[str, _Generation] = defaultdict(_Generation)
     for row in rows:
         rollup = row if isinstance(row, Rollup) else Rollup.of(row)
+        if rollup.metric in GENERATION_METRICS:
+            _fold_generation(generation, rollup)
+            continue
         if rollup.metric == BATCH_SIZE and rollup.kind == "histogram":
             if rollup.histogram is not None:  # a malformed layout gives nothing to estimate from
                 batches[_model(rollup.attributes.get(ATTR_MODEL))].add(rollup.histogram)
@@ -411,6 +444,7 @@ def summarise(rows: Iterable[Rollup | Any], *, since: datetime, until: datetime)
         "traffic": [_traffic(key, traffic[key], seconds) for key in sorted(traffic, key=_order)],
         "batches": [_batches(model, batches[model]) for model in sorted(batches, key=lambda m: m or "")],
         "device": [_gauge(g) for _, g in sorted(gauges.items())],
+        "generation": [_generation(model, generation[model], traffic, seconds) for model in sorted(generation)],
     }
 
 
@@ -438,6 +472,71 @@ def _fold_traffic(traffic: dict[tuple[str | None, int | None], _Traffic], rollup
         sums[1] += rollup.max
         return group
     return None
+
+
+def _fold_generation(generation: dict[str, _Generation], rollup: Rollup) -> None:
+    """Adds a GenAI histogram, a generation gauge or the preemption counter to its model (rollups of an unexpected
+    kind, or without a model, are left out)."""
+    attributes, metric = rollup.attributes, rollup.metric
+    if metric in GENAI_METRICS:
+        model = _model(attributes.get(ATTR_GENAI_MODEL))
+        if model is None or rollup.kind != "histogram":
+            return
+        if metric == GENAI_TOKEN_USAGE:  # the sum of a token histogram is the tokens themselves
+            generation[model].tokens[str(attributes.get(ATTR_GENAI_TOKEN_TYPE))] += _finite(rollup.total) or 0.0
+        elif rollup.histogram is not None:
+            generation[model].histograms[metric].add(rollup.histogram)
+        return
+    model = _model(attributes.get(ATTR_MODEL))
+    if model is None:
+        return
+    if metric == PREEMPTIONS and rollup.kind == "sum":
+        generation[model].preemptions += _finite(rollup.total) or 0.0
+    elif rollup.kind == "gauge" and rollup.last is not None:
+        by_minute = generation[model].gauges[metric]
+        by_minute[rollup.minute] = by_minute.get(rollup.minute, 0.0) + rollup.last  # one series per engine: add up
+
+
+def _generation(model: str, gen: _Generation, traffic: dict[tuple[str | None, int | None], _Traffic],
+                seconds: float) -> dict[str, Any]:  # fmt: skip
+    outcomes: dict[str, float] = defaultdict(float)
+    for (name, _), group in traffic.items():
+        if name == model:
+            for outcome, n in group.outcomes.items():
+                outcomes[outcome] += n
+    ttft, tpot, duration = (gen.histograms[m].merged() if m in gen.histograms else None for m in _GENAI_HISTOGRAMS)
+    used, total = gen.gauges.get(KV_BLOCKS_USED, {}), gen.gauges.get(KV_BLOCKS_TOTAL, {})
+    both = set(used).intersection(total)  # the ratio of one minute's readings, the latest minute with both
+    latest = max(both) if both else None
+    use = None if latest is None or total[latest] <= 0 else used[latest] / total[latest]
+    return {
+        "model": model,
+        "requests": sum(outcomes.values()),
+        "streams_per_s": (duration.count if duration else 0.0) / seconds,
+        "ttft_ms": _percentiles_ms(ttft),
+        "tpot_ms": _percentiles_ms(tpot),
+        "duration_ms": _percentiles_ms(duration),
+        "tokens_in_per_s": gen.tokens.get("input", 0.0) / seconds,
+        "tokens_out_per_s": gen.tokens.get("output", 0.0) / seconds,
+        "kv_blocks_used": _latest(used),
+        "kv_blocks_total": _latest(total),
+        "kv_cache_use": use,
+        "preemptions": gen.preemptions,
+        "preemptions_per_min": gen.preemptions * 60.0 / seconds,
+        "active_streams": _latest(gen.gauges.get(ACTIVE_STREAMS, {})),
+        "outcomes": dict(sorted(outcomes.items())),
+    }
+
+
+def _percentiles_ms(histogram: Histogram | None) -> dict[str, Any]:
+    if histogram is None:
+        return {"count": 0.0, "mean": None, "p50": None, "p90": None, "p99": None}
+    return {"count": histogram.count, "mean": _ms(histogram.mean), "p50": _ms(histogram.quantile(0.50)),
+            "p90": _ms(histogram.quantile(0.90)), "p99": _ms(histogram.quantile(0.99))}  # fmt: skip
+
+
+def _latest(by_minute: Mapping[datetime, float]) -> float | None:
+    return by_minute[max(by_minute)] if by_minute else None
 
 
 def _order(key: tuple[str | None, int | None]) -> tuple[str, int]:
@@ -521,13 +620,15 @@ def agent_metrics(
         raise NotFound(f"no agent with id '{agent_id}'")
     now = (now or utcnow()).astimezone(timezone.utc)
     since = window_start(now, window_s)
-    rollups = read_rollups(session, since=since, agents=(agent.id,), metrics=(REQUESTS, *_DURATIONS, BATCH_SIZE),
-                           every_gauge=True)  # its request metrics and every gauge  # fmt: skip
+    metrics = (REQUESTS, *_DURATIONS, BATCH_SIZE, *GENAI_METRICS, PREEMPTIONS)
+    rollups = read_rollups(session, since=since, agents=(agent.id,), metrics=metrics,
+                           every_gauge=True)  # its request and generation metrics and every gauge  # fmt: skip
     summary = summarise(rollups, since=since, until=now)
     return {"agent": agent.id, "name": agent.name, "window": window_s, **summary}
 
 
 __all__ = [
+    "GENERATION_METRICS",
     "Histogram",
     "Rollup",
     "RollupReader",

@@ -80,6 +80,35 @@ class GaugeReading(BaseModel):
     max: float | None
 
 
+class Percentiles(BaseModel):
+    count: float = Field(description="observations (streams) the figures describe")
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+
+
+class Generation(BaseModel):
+    """One generative model: the OTel GenAI histograms (streams the agent answered with tokens, served locally or
+    overflowed), its `spillway.requests` and its generation gauges."""
+
+    model: str
+    requests: float = Field(description="requests of this model, every outcome (spillway.requests)")
+    streams_per_s: float = Field(description="streams answered with tokens per second (GenAI request durations)")
+    ttft_ms: Percentiles = Field(description="time to first token, interpolated inside histogram buckets")
+    tpot_ms: Percentiles = Field(description="mean time per output token after the first, per stream")
+    duration_ms: Percentiles = Field(description="arrival to the last token")
+    tokens_in_per_s: float = Field(description="prompt tokens per second (gen_ai.client.token.usage, input)")
+    tokens_out_per_s: float = Field(description="generated tokens per second (gen_ai.client.token.usage, output)")
+    kv_blocks_used: float | None = Field(description="KV-cache blocks held, the latest reading; null if never reported")
+    kv_blocks_total: float | None = Field(description="KV-cache blocks of the budget, the latest reading")
+    kv_cache_use: float | None = Field(description="used / total of the latest minute with both readings, 0..1")
+    preemptions: float = Field(description="sequences preempted (recomputed) in the window")
+    preemptions_per_min: float = Field(description="preemptions per minute over the window")
+    active_streams: float | None = Field(description="sequences admitted and not finished, the latest reading")
+    outcomes: dict[str, float] = Field(description="requests per outcome")
+
+
 class AgentMetrics(BaseModel):
     agent: str
     name: str
@@ -92,6 +121,7 @@ class AgentMetrics(BaseModel):
     traffic: list[Traffic] = Field(description="per (model, priority)")
     batches: list[Batches] = Field(description="batch sizes per model")
     device: list[GaugeReading] = Field(description="device and host gauges, per metric and attributes")
+    generation: list[Generation] = Field(description="generative models, by model name")
 
 
 @router.get("/{item_id}/metrics", response_model=AgentMetrics, summary="An agent's recent telemetry")

@@ -7,20 +7,29 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from sqlalchemy import text
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from controlplane import __version__
 from controlplane.access import agent_counts
 from controlplane.api.agent_metrics import Window
 from controlplane.api.deps import SessionDep, SettingsDep, Viewer
-from controlplane.db.models import Backend, Rule, Slo, utcnow
+from controlplane.db.models import Agent, Backend, Rule, Slo, utcnow
 from controlplane.db.repository import count
 from controlplane.errors import ValidationFailed
-from controlplane.query import REQUEST_DURATION, REQUESTS, SERVED, merge_histograms, read_rollups, summarise
+from controlplane.query import (
+    REQUEST_DURATION,
+    REQUESTS,
+    SERVED,
+    Histogram,
+    Rollup,
+    merge_histograms,
+    read_rollups,
+    summarise,
+)
 from controlplane.schemas.common import Duration, format_duration
 from controlplane.slo.windows import SloWindows
-from spillway.contract.names import ATTR_OUTCOME
+from spillway.contract.names import ATTR_GENAI_TOKEN_TYPE, ATTR_OUTCOME, GENAI_TOKEN_USAGE, GENAI_TPOT, GENAI_TTFT
 
 log = logging.getLogger("spillway.controlplane")
 probes = APIRouter(tags=["probes"])
@@ -63,6 +72,19 @@ class FleetTraffic(BaseModel):
     p99_ms: float | None
 
 
+class FleetAgent(BaseModel):
+    """One agent that reported traffic in the window; the generative figures are null when it served no generative
+    model (no GenAI histograms) in it."""
+
+    agent: str
+    name: str | None
+    requests: float
+    rps: float
+    ttft_p99_ms: float | None = Field(description="time to first token, all its generative models together")
+    tpot_p99_ms: float | None = Field(description="time per output token, all its generative models together")
+    tokens_out_per_s: float | None = Field(description="generated tokens per second")
+
+
 class FleetLive(BaseModel):
     """What the fleet's agents reported over the window (whole minute rollups, so `since` is a minute start)."""
 
@@ -75,6 +97,7 @@ class FleetLive(BaseModel):
     p50_ms: float | None = Field(description="latency of requests served on the devices, all agents together")
     p99_ms: float | None
     traffic: list[FleetTraffic] = Field(description="per model and priority")
+    agents: list[FleetAgent] = Field(description="per agent that reported in the window, by name")
 
 
 class SloState(BaseModel):
@@ -147,10 +170,11 @@ MAX_LIVE_WINDOW_S = 86400
 
 
 def live_traffic(session: Session, window_s: int, now: datetime) -> dict[str, Any]:
-    """Request rates, outcomes and latency of the whole fleet over the window, from the minute rollups."""
+    """Request rates, outcomes and latency of the whole fleet over the window, and per agent, from the minute
+    rollups."""
     since = (now - timedelta(seconds=window_s)).replace(second=0, microsecond=0)
-    rows = list(read_rollups(session, since=since, metrics=(REQUESTS, REQUEST_DURATION)))
-    summary = summarise(rows, since=since, until=now)
+    rows = list(read_rollups(session, since=since, metrics=(REQUESTS, REQUEST_DURATION, *_GENAI_READ)))
+    summary = summarise((r for r in rows if r.metric in (REQUESTS, REQUEST_DURATION)), since=since, until=now)
     served = (r.histogram for r in rows if r.metric == REQUEST_DURATION and r.attributes.get(ATTR_OUTCOME) == SERVED)
     merged = merge_histograms(h for h in served if h is not None)
     p50, p99 = (merged.quantile(0.5), merged.quantile(0.99)) if merged else (None, None)
@@ -161,7 +185,44 @@ def live_traffic(session: Session, window_s: int, now: datetime) -> dict[str, An
         "window": window_s, "since": since, "until": now, "requests": summary["requests"], "rps": summary["rps"],
         "outcomes": summary["outcomes"], "p50_ms": None if p50 is None else p50 * 1000,
         "p99_ms": None if p99 is None else p99 * 1000, "traffic": traffic,
+        "agents": _per_agent(session, rows, max((now - since).total_seconds(), 1.0)),
     }  # fmt: skip
+
+
+_GENAI_READ = (GENAI_TTFT, GENAI_TPOT, GENAI_TOKEN_USAGE)
+
+
+def _per_agent(session: Session, rows: list[Rollup], seconds: float) -> list[dict[str, Any]]:
+    """Each agent's requests and generative figures (p99 TTFT and TPOT over all its models, output tokens/s)."""
+    requests: dict[str, float] = {}
+    latencies: dict[tuple[str, str], list[Histogram]] = {}
+    tokens_out: dict[str, float] = {}
+    for row in rows:
+        requests.setdefault(row.agent, 0.0)
+        if row.metric == REQUESTS:
+            requests[row.agent] += row.total
+        elif row.metric == GENAI_TOKEN_USAGE:
+            output = row.attributes.get(ATTR_GENAI_TOKEN_TYPE) == "output"
+            tokens_out[row.agent] = tokens_out.get(row.agent, 0.0) + (row.total if output else 0.0)
+        elif row.metric in (GENAI_TTFT, GENAI_TPOT) and row.histogram is not None:
+            latencies.setdefault((row.agent, row.metric), []).append(row.histogram)
+    names: dict[str, str] = {}
+    if requests:
+        names = {
+            row.id: row.name
+            for row in session.execute(select(Agent.id, Agent.name).where(Agent.id.in_(list(requests))))
+        }
+
+    def p99_ms(agent: str, metric: str) -> float | None:
+        merged = merge_histograms(latencies.get((agent, metric), ()))
+        p99 = merged.quantile(0.99) if merged else None
+        return None if p99 is None else p99 * 1000
+
+    entries = [{"agent": agent, "name": names.get(agent), "requests": n, "rps": n / seconds,
+                "ttft_p99_ms": p99_ms(agent, GENAI_TTFT), "tpot_p99_ms": p99_ms(agent, GENAI_TPOT),
+                "tokens_out_per_s": tokens_out[agent] / seconds if agent in tokens_out else None}
+               for agent, n in requests.items()]  # fmt: skip
+    return sorted(entries, key=lambda e: (e["name"] or "", e["agent"]))
 
 
 def slo_states(request: Request, session: Session, max_age_s: float) -> list[dict[str, Any]]:

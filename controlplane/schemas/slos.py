@@ -4,9 +4,33 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from controlplane.schemas.common import Name, PositiveDuration, Selector, Stored, Strict, partial
+from spillway.contract.names import GENAI_TPOT_BUCKETS, GENAI_TTFT_BUCKETS
+
+SliKind = Literal["latency", "availability", "ttft", "tpot"]
+"""`latency`: share of requests served within `threshold_ms` (spillway.request.duration); `availability`: share
+with a good outcome; `ttft` / `tpot`: share of generative streams whose time to first token / mean time per output
+token is within `threshold_ms` (the OTel GenAI histograms, every stream the agent answered with tokens)."""
+
+# The GenAI histograms' bucket boundaries (the semantic conventions', fixed, unlike the latency buckets that a
+# control plane configures), in ms: a ttft or tpot threshold must be one of them, else good/bad is not exact.
+GENAI_THRESHOLDS_MS: dict[str, tuple[float, ...]] = {
+    "ttft": tuple(round(b * 1000, 6) for b in GENAI_TTFT_BUCKETS),
+    "tpot": tuple(round(b * 1000, 6) for b in GENAI_TPOT_BUCKETS),
+}
+THRESHOLD_KINDS = frozenset({"latency", *GENAI_THRESHOLDS_MS})  # the kinds that judge a time against threshold_ms
+
+
+def genai_threshold_problem(kind: str, threshold_ms: float) -> str | None:
+    """Why `threshold_ms` cannot be the threshold of a `ttft` or `tpot` SLI (or rule condition), or None: it must
+    be one of that metric's bucket boundaries; the message lists them."""
+    allowed = GENAI_THRESHOLDS_MS.get(kind)
+    if allowed is None or any(abs(threshold_ms - b) <= 1e-9 * b for b in allowed):
+        return None
+    listed = ", ".join(f"{b:g}" for b in allowed)
+    return f"{threshold_ms:g} is not a {kind} bucket boundary; use one of {listed} (ms)"
 
 
 class AlertWindow(Strict):
@@ -53,10 +77,12 @@ class SloCreate(Strict):
     name: Name
     description: str = Field(default="", max_length=2000)
     selector: Selector = Field(default_factory=Selector)
-    sli_kind: Literal["latency", "availability"]
+    sli_kind: SliKind
     threshold_ms: float | None = Field(
-        default=None, gt=0, le=3_600_000, description="latency SLOs: a good request is faster than this"
-    )
+        default=None, gt=0, le=3_600_000,
+        description="latency, ttft and tpot SLOs: a good request (stream) takes at most this; ttft and tpot: one of "
+        "the GenAI histogram's bucket boundaries",
+    )  # fmt: skip
     objective: float = Field(gt=0, lt=100, description="percent of good requests, e.g. 99.5")
     window: PositiveDuration = Field(default=28 * 86400, description="rolling window, e.g. '28d'")
     alert_windows: list[AlertWindow] = Field(
@@ -64,14 +90,24 @@ class SloCreate(Strict):
         description="burn-rate alert pairs; when left out, the SRE workbook's pairs scaled to the window",
     )  # fmt: skip
 
+    @field_validator("threshold_ms")
+    @classmethod
+    def _on_genai_boundary(cls, value: float | None, info: ValidationInfo) -> float | None:
+        """Judged here, on the field (so the error names `threshold_ms`): the GenAI boundaries are fixed. A latency
+        threshold is judged against the configured latency buckets by the API."""
+        problem = None if value is None else genai_threshold_problem(str(info.data.get("sli_kind")), value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
     @model_validator(mode="after")
     def _fits_kind(self) -> SloCreate:
         if "alert_windows" not in self.model_fields_set:
             self.alert_windows = default_alert_windows(self.window)
-        if self.sli_kind == "latency" and self.threshold_ms is None:
-            raise ValueError("threshold_ms is required for a latency SLO")
+        if self.sli_kind in THRESHOLD_KINDS and self.threshold_ms is None:
+            raise ValueError(f"threshold_ms is required for a {self.sli_kind} SLO")
         if self.sli_kind == "availability" and self.threshold_ms is not None:
-            raise ValueError("threshold_ms applies only to latency SLOs")
+            raise ValueError("threshold_ms applies only to latency, ttft and tpot SLOs")
         for alert in self.alert_windows:
             if alert.long > self.window:
                 raise ValueError("an alert's long window must not exceed the SLO window")
@@ -83,3 +119,16 @@ SloPatch = partial(SloCreate)
 
 class SloRead(SloCreate, Stored):
     pass
+
+
+__all__ = [
+    "GENAI_THRESHOLDS_MS",
+    "THRESHOLD_KINDS",
+    "AlertWindow",
+    "SliKind",
+    "SloCreate",
+    "SloPatch",
+    "SloRead",
+    "default_alert_windows",
+    "genai_threshold_problem",
+]

@@ -39,11 +39,30 @@ from controlplane.slo.maths import (
     good_under_threshold,
     sli,
 )
-from spillway.contract.names import ATTR_MODEL, ATTR_OUTCOME, LOCAL, REQUEST_DURATION, REQUESTS
+from spillway.contract.names import (
+    ATTR_GENAI_MODEL,
+    ATTR_MODEL,
+    ATTR_OUTCOME,
+    GENAI_TPOT,
+    GENAI_TTFT,
+    LOCAL,
+    REQUEST_DURATION,
+    REQUESTS,
+)
 
 FINE_MINUTES = 6 * 60  # minute resolution this far back
 REREAD_MINUTES = 1  # minutes before the current one re-read on every refresh (exports may still add to them)
-_ROLLUPS = {"latency": (REQUEST_DURATION, "histogram"), "availability": (REQUESTS, "sum")}  # metric, rollup kind
+# SLI kind -> the metric whose rollups count its events, and their rollup kind.
+_ROLLUPS = {
+    "latency": (REQUEST_DURATION, "histogram"),
+    "availability": (REQUESTS, "sum"),
+    "ttft": (GENAI_TTFT, "histogram"),
+    "tpot": (GENAI_TPOT, "histogram"),
+}
+# The GenAI kinds: every stream the agent answered with tokens (local or overflowed) is an event, judged by its time
+# to first token or mean time per output token; their histograms name the model `gen_ai.request.model` and carry no
+# outcome (a stream refused before its first token is the availability SLI's business).
+_GENAI_KINDS = frozenset({"ttft", "tpot"})
 
 
 def epoch_minute(moment: datetime) -> int:
@@ -74,12 +93,14 @@ class SloSpec:
 
     @classmethod
     def of_rule(cls, rule: RuleSpec) -> SloSpec | None:
-        """A latency condition (share of requests within the threshold) or an error-ratio condition (share
-        of good outcomes) counts exactly like a latency or an availability SLO over the condition's window."""
+        """A latency condition (share of requests, or of generative streams by their time to first token or per
+        output token, within the threshold) or an error-ratio condition (share of good outcomes) counts exactly
+        like a latency, ttft, tpot or availability SLO over the condition's window."""
+        sli_kind: str
         threshold_s: float | None
         match rule.condition:
-            case LatencyCondition(threshold_ms=threshold_ms, window=window):
-                sli_kind, threshold_s = "latency", threshold_ms / 1000
+            case LatencyCondition(metric=metric, threshold_ms=threshold_ms, window=window):
+                sli_kind, threshold_s = ("latency" if metric == "request" else metric), threshold_ms / 1000
             case ErrorRatioCondition(window=window):
                 sli_kind, threshold_s = "availability", None
             case _:
@@ -114,11 +135,12 @@ class SloSpec:
 
     def counts(self, rollup: Rollup) -> tuple[float, float] | None:
         """(good, total) events of one rollup for this SLO, or None when the rollup is not its business."""
-        if self.model is not None and rollup.attributes.get(ATTR_MODEL) != self.model:
+        genai = self.sli_kind in _GENAI_KINDS
+        if self.model is not None and rollup.attributes.get(ATTR_GENAI_MODEL if genai else ATTR_MODEL) != self.model:
             return None
         outcome = rollup.attributes.get(ATTR_OUTCOME)
-        if self.sli_kind == "latency":
-            if outcome != LOCAL:
+        if genai or self.sli_kind == "latency":
+            if not genai and outcome != LOCAL:
                 return None  # latency judges answered requests; availability judges the rest
             assert self.threshold_s is not None
             histogram = rollup.histogram  # without buckets, no observation is known to be fast enough

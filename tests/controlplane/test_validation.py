@@ -14,7 +14,7 @@ CASES = [
     ("slos", make_slo(window="forever"), "body.window", "is not a duration"),
     ("slos", make_slo(threshold_ms=-5), "body.threshold_ms", "greater than 0"),
     ("slos", make_slo(threshold_ms=None), "body", "threshold_ms is required"),
-    ("slos", make_slo(sli_kind="throughput"), "body.sli_kind", "'latency' or 'availability'"),
+    ("slos", make_slo(sli_kind="throughput"), "body.sli_kind", "'ttft' or 'tpot'"),
     ("slos", make_slo(selector={"labels": "site"}), "body.selector.labels", "not a key=value label"),
     ("slos", make_slo(selector={"labels": {"bad key!": "x"}}), "body.selector.labels", "label key"),
     (
