@@ -2,11 +2,16 @@
 (they go into the events, so an operator can tell why a rule fired).
 
 - `burn_rate`: the SLO's burn rate over the condition's long and short windows, for this agent;
-- `latency`: the share of this agent's served requests within the threshold over the window (the quantile is
-  above the threshold exactly when that share is below the quantile, thresholds being bucket boundaries);
+- `latency`: the share of this agent's served requests (`request`), or of its generative streams' first tokens
+  (`ttft`) or times per output token (`tpot`), within the threshold over the window (the quantile is above the
+  threshold exactly when that share is below the quantile, thresholds being bucket boundaries); the SLO windows
+  count them (`SloSpec.of_rule`);
 - `error_ratio`: the share of this agent's requests with a bad outcome over the window;
 - `gauge`: the agent's latest reading (queue depth of the selected models, GPU memory free, temperature,
-  utilisation) from the last two minutes of rollups;
+  utilisation) from the last two minutes of rollups; for generative models (the selected ones, or all): KV-cache
+  use (blocks held / the budget's blocks, summed over the models), sequences preempted in the last whole minute
+  (the counter's delta rollup: the current minute is still filling), streams in flight. An agent that reported
+  none of a generative model's series in the last two minutes has no reading: the condition is not met;
 - `stale`: how long since the agent last reported (an agent that never reported is not stale: not yet started).
 
 A ratio condition under its `min_requests` is not met: a quiet device with one slow request is not an incident.
@@ -35,16 +40,24 @@ from controlplane.schemas.rules import (
 )
 from controlplane.slo import Counts, SloWindows, burn_rate
 from spillway.contract.names import (
+    ACTIVE_STREAMS,
     ATTR_MODEL,
     DEVICE_GAUGES,
+    GENERATION_GAUGES,
     GPU_MEMORY_LIMIT,
     GPU_MEMORY_USAGE,
     GPU_UTILIZATION,
+    KV_BLOCKS_TOTAL,
+    KV_BLOCKS_USED,
+    PREEMPTIONS,
     QUEUE_DEPTH,
     TEMPERATURE,
 )
 
-GAUGE_METRICS = (QUEUE_DEPTH, *DEVICE_GAUGES)
+GAUGE_METRICS = (QUEUE_DEPTH, *DEVICE_GAUGES, *GENERATION_GAUGES)
+"""The gauges whose latest reading gauge conditions compare."""
+COUNTER_METRICS = (PREEMPTIONS,)
+"""The counters whose increase over the last whole minute gauge conditions compare (a rate per minute)."""
 _OPS = {">": np.greater, ">=": np.greater_equal, "<": np.less, "<=": np.less_equal}
 
 
@@ -54,17 +67,44 @@ class Seen:
     numbers: dict[str, Any] = field(default_factory=dict)
 
 
+def _per_model(readings: dict[str, float], model: str | None) -> float | None:
+    """The selected model's reading, or the sum over every model; None when there is none."""
+    if model is not None:
+        return readings.get(model)
+    return sum(readings.values()) if readings else None
+
+
 @dataclass
 class AgentGauges:
-    """An agent's latest device and queue readings."""
+    """An agent's latest device, queue and generation readings (per model where the metric has a model)."""
 
-    queue_depth: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per model
+    queue_depth: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     gpu_memory_used: float | None = None
     gpu_memory_limit: float | None = None
     gpu_utilization: float | None = None
     gpu_temperature_c: float | None = None
+    kv_blocks_used: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    kv_blocks_total: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    active_streams: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    # Preempted in the last whole minute; a model whose counter reported lately but not in that minute has 0.
+    preemptions: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def details(self, metric: GaugeMetric, model: str | None) -> dict[str, Any]:
+        """The readings a derived value comes from, for the events (KV blocks behind the use ratio)."""
+        if metric == "kv_cache_use_ratio":
+            return {"kv_blocks_used": _per_model(self.kv_blocks_used, model),
+                    "kv_blocks_total": _per_model(self.kv_blocks_total, model)}  # fmt: skip
+        return {}
 
     def value(self, metric: GaugeMetric, model: str | None) -> float | None:
+        """The reading a gauge condition compares, for `model` (None: every model); None when there is none."""
+        if metric == "kv_cache_use_ratio":
+            used, total = _per_model(self.kv_blocks_used, model), _per_model(self.kv_blocks_total, model)
+            return None if used is None or not total else used / total
+        if metric == "preemptions_per_minute":
+            return _per_model(self.preemptions, model)
+        if metric == "active_streams":
+            return _per_model(self.active_streams, model)
         if metric == "queue_depth":
             if model is not None:
                 return self.queue_depth.get(model, 0.0) if self.queue_depth else None
@@ -85,20 +125,34 @@ class AgentGauges:
 
 
 def read_gauges(session: Session, now: datetime) -> dict[str, AgentGauges]:
-    """Every agent's latest gauge readings from the rollups of the current and the previous minute."""
+    """Every agent's latest gauge readings from the rollups of the current and the previous minute, and its
+    preemptions of the previous (the last whole) minute."""
     since = now.replace(second=0, microsecond=0) - timedelta(minutes=1)
     latest: dict[tuple[str, str], Rollup] = {}
-    for rollup in read_rollups(session, since=since, metrics=GAUGE_METRICS, kinds=("gauge",)):
+    gauges: dict[str, AgentGauges] = defaultdict(AgentGauges)
+    metrics = (*GAUGE_METRICS, *COUNTER_METRICS)
+    for rollup in read_rollups(session, since=since, metrics=metrics, kinds=("gauge", "sum")):
+        if rollup.kind == "sum":
+            if rollup.metric == PREEMPTIONS:  # the last whole minute's; a later one (still counting) says "reporting"
+                model = str(rollup.attributes.get(ATTR_MODEL))
+                gauges[rollup.agent].preemptions[model] += rollup.total if rollup.minute == since else 0.0
+            continue
         key = (rollup.agent, rollup.series)
         if key not in latest or rollup.minute > latest[key].minute:
             latest[key] = rollup
-    gauges: dict[str, AgentGauges] = defaultdict(AgentGauges)
     for (agent, _), rollup in latest.items():
         if rollup.last is None:
             continue
         g, last = gauges[agent], rollup.last
+        model = str(rollup.attributes.get(ATTR_MODEL))
         if rollup.metric == QUEUE_DEPTH:
-            g.queue_depth[str(rollup.attributes.get(ATTR_MODEL))] += last
+            g.queue_depth[model] += last
+        elif rollup.metric == KV_BLOCKS_USED:
+            g.kv_blocks_used[model] += last
+        elif rollup.metric == KV_BLOCKS_TOTAL:
+            g.kv_blocks_total[model] += last
+        elif rollup.metric == ACTIVE_STREAMS:
+            g.active_streams[model] += last
         elif rollup.metric == GPU_MEMORY_USAGE:
             g.gpu_memory_used = (g.gpu_memory_used or 0.0) + last
         elif rollup.metric == GPU_MEMORY_LIMIT:
@@ -137,8 +191,10 @@ class Observer:
             case LatencyCondition() | ErrorRatioCondition():
                 return self._ratio(rule_id, condition, agent)
             case GaugeCondition(metric=metric, op=op, threshold=threshold):
-                value = self.gauges[agent].value(metric, model) if agent in self.gauges else None
-                numbers = {"metric": metric, "value": value, "op": op, "threshold": threshold}
+                readings = self.gauges.get(agent)
+                value = readings.value(metric, model) if readings is not None else None
+                numbers = {"metric": metric, "value": value, "op": op, "threshold": threshold,
+                           **(readings.details(metric, model) if readings is not None else {})}  # fmt: skip
                 return Seen(value is not None and bool(_OPS[op](value, threshold)), numbers)
             case StaleCondition(after=after):
                 seen_at = self.last_seen.get(agent)
@@ -176,12 +232,12 @@ class Observer:
         enough = total >= condition.min_requests and total > 0
         if isinstance(condition, LatencyCondition):
             share = good / total if total > 0 else None
-            numbers = {"requests": total, "within_threshold": share, "threshold_ms": condition.threshold_ms,
-                       "quantile": condition.quantile}  # fmt: skip
+            numbers = {"metric": condition.metric, "requests": total, "within_threshold": share,
+                       "threshold_ms": condition.threshold_ms, "quantile": condition.quantile}  # fmt: skip
             return Seen(enough and share is not None and share < condition.quantile, numbers)
         ratio = (total - good) / total if total > 0 else None
         numbers = {"requests": total, "error_ratio": ratio, "threshold": condition.threshold}
         return Seen(enough and ratio is not None and ratio > condition.threshold, numbers)
 
 
-__all__ = ["GAUGE_METRICS", "AgentGauges", "Observer", "Seen", "read_gauges"]
+__all__ = ["COUNTER_METRICS", "GAUGE_METRICS", "AgentGauges", "Observer", "Seen", "read_gauges"]

@@ -1,14 +1,25 @@
 """Compose the active rules of one agent into its policy document (spillway/contract/policy.py).
 
-Several rules on one agent compose along the action ladder, mildest first (tune_batching, overflow, switch_variant,
-shed, fallback): each fills its own fields, so different kinds never conflict. Rules of the same kind on the same
-model (or on every model, `*`) resolve deterministically:
+Several rules on one agent compose along the action ladder (`ACTION_LADDER`), mildest first (tune_batching,
+cap_max_tokens, limit_generation, overflow, switch_variant, shed, fallback): each fills its own fields, so different
+kinds never conflict. Rules of the same kind on the same model (or on every model, `*`) resolve deterministically:
   - tune_batching: the shortest `max_queue_delay_us`; `preferred_batch_sizes` of the rule whose name sorts first;
+  - cap_max_tokens, limit_generation: the strictest, i.e. the smallest `max_tokens_cap`, `max_num_seqs` and
+    `max_num_batched_tokens` each (after step-wise recovery); unlike the other fields, a model's own entry never
+    relaxes these: it carries the smaller of its own and the `*` value, so the strictest wins whatever the
+    selectors;
   - overflow: the union: deadline misses always, the largest `fraction`, the smallest level number;
   - switch_variant: the rule whose name sorts first;
   - shed / fallback: the harshest, i.e. the smallest level number (after step-wise recovery), ties by name;
-    shed's `retry_after_s` is the longest asked for.
+    shed's `retry_after_s` is the longest asked for; fallback's `default_outputs` and `default_text` come with
+    the rule chosen.
 A model's own entry overrides the `*` entry field by field on the agent.
+
+Step-wise recovery (`recovery_steps` > 1) makes each action milder a step at a time: shed, fallback and overflow by
+priority cover one level fewer, an overflow fraction halves, and the generative limits double (cap_max_tokens'
+cap, limit_generation's `max_num_seqs` and `max_num_batched_tokens`, each at most the document's maximum) before
+the rule lets go. With one step the action is reverted at once. Doubling, not a linear ramp: the engine's cost of
+a limit is roughly proportional to it, so each step at most doubles the load the agent takes back.
 """
 
 from __future__ import annotations
@@ -20,8 +31,13 @@ from datetime import datetime
 from typing import Any
 
 from controlplane.schemas.rules import (
+    MAX_BATCHED_TOKENS_LIMIT,
+    MAX_NUM_SEQS_LIMIT,
+    MAX_TOKENS_LIMIT,
     Action,
+    CapMaxTokensAction,
     FallbackAction,
+    LimitGenerationAction,
     OverflowAction,
     ShedAction,
     SwitchVariantAction,
@@ -48,9 +64,18 @@ def stepped_level(level: int, step: int) -> int:
     return min(64, level + step)
 
 
+def doubled(limit: int | None, step: int, most: int) -> int | None:
+    """A generative limit after `step` recovery steps: twice as large a step, never above `most`."""
+    return None if limit is None else min(most, limit * 2**step)
+
+
+GENERATIVE_LIMITS = ("max_tokens_cap", "max_num_seqs", "max_num_batched_tokens")
+"""The ModelPolicy fields where the strictest (smallest) value wins, also between a model's entry and `*`."""
+
+
 def stepped_action(action: Action, step: int) -> Action:
     """The action as it applies after `step` recovery steps: levels covered shrink by one a step (shed, fallback,
-    overflow by priority), an overflow fraction halves."""
+    overflow by priority), an overflow fraction halves, a generative limit doubles."""
     if step <= 0:
         return action
     match action:
@@ -63,6 +88,15 @@ def stepped_action(action: Action, step: int) -> Action:
             return action.model_copy(update=update)
         case ShedAction(priority_at_or_below=level) | FallbackAction(priority_at_or_below=level):
             return action.model_copy(update={"priority_at_or_below": stepped_level(level, step)})
+        case CapMaxTokensAction(max_tokens=cap):
+            return action.model_copy(update={"max_tokens": doubled(cap, step, MAX_TOKENS_LIMIT)})
+        case LimitGenerationAction(max_num_seqs=seqs, max_num_batched_tokens=tokens):
+            return action.model_copy(
+                update={
+                    "max_num_seqs": doubled(seqs, step, MAX_NUM_SEQS_LIMIT),
+                    "max_num_batched_tokens": doubled(tokens, step, MAX_BATCHED_TOKENS_LIMIT),
+                }
+            )
         case TuneBatchingAction() | SwitchVariantAction():
             return action
         case _:
@@ -86,6 +120,11 @@ def compose(agent_id: str, active: list[Active], *, buckets_ms: list[float], exp
                     entry["max_queue_delay_us"] = min(delay, entry.get("max_queue_delay_us", delay))
                 if sizes and "preferred_batch_sizes" not in entry:
                     entry["preferred_batch_sizes"] = list(sizes)
+            case CapMaxTokensAction(max_tokens=cap):
+                _lower(entry, "max_tokens_cap", cap)
+            case LimitGenerationAction(max_num_seqs=seqs, max_num_batched_tokens=tokens):
+                _lower(entry, "max_num_seqs", seqs)
+                _lower(entry, "max_num_batched_tokens", tokens)
             case OverflowAction(fraction=fraction, priority_at_or_below=level):
                 current: Overflow = entry.get("overflow", Overflow(fraction=0.0, at_or_below=None))
                 if fraction is not None:
@@ -102,13 +141,18 @@ def compose(agent_id: str, active: list[Active], *, buckets_ms: list[float], exp
                     entry["shed"] = Shed(at_or_below=level, retry_after_s=max(retry, shed.retry_after_s if shed else 0))
                 else:
                     entry["shed"] = Shed(at_or_below=shed.at_or_below, retry_after_s=max(shed.retry_after_s, retry))
-            case FallbackAction(priority_at_or_below=level, mode=mode, default_outputs=outputs):
+            case FallbackAction(priority_at_or_below=level, mode=mode, default_outputs=outputs, default_text=text):
                 fallback: Fallback | None = entry.get("fallback")
                 if fallback is None or level < fallback.at_or_below:
-                    given = {} if outputs is None else {"default_outputs": outputs}
+                    given = {k: v for k, v in (("default_outputs", outputs), ("default_text", text)) if v is not None}
                     entry["fallback"] = Fallback(at_or_below=level, mode=mode, **given)
             case unknown:
                 unknown_kind(unknown)
+    everywhere = models.get(ALL_MODELS, {})
+    for name, entry in models.items():  # a model's own, milder limit does not relax the `*` one
+        if name != ALL_MODELS:
+            for limit in GENERATIVE_LIMITS:
+                _lower(entry, limit, everywhere.get(limit))
     causes = [Cause(rule=a.rule_id, name=a.name, action=a.action.kind, model=a.model or ALL_MODELS, since=a.since)
               for a in ordered]  # fmt: skip
     return PolicyDocument(
@@ -116,6 +160,12 @@ def compose(agent_id: str, active: list[Active], *, buckets_ms: list[float], exp
         latency_buckets_ms=sorted(buckets_ms), export_interval_s=export_interval_s, poll_interval_s=poll_interval_s,
         causes=causes,
     )  # fmt: skip
+
+
+def _lower(entry: dict[str, Any], field: str, value: int | None) -> None:
+    """Set `field` to `value` unless it holds a smaller one already (None: nothing asked)."""
+    if value is not None:
+        entry[field] = min(value, entry.get(field, value))
 
 
 def document(content: PolicyDocument, version: int) -> tuple[dict[str, Any], str]:
@@ -133,4 +183,4 @@ def same_content(stored: dict[str, Any], content: PolicyDocument) -> bool:
         return False
 
 
-__all__ = ["Active", "compose", "document", "same_content", "stepped_action", "stepped_level"]
+__all__ = ["Active", "compose", "document", "doubled", "same_content", "stepped_action", "stepped_level"]

@@ -11,9 +11,10 @@ import logging
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal, NoReturn
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from controlplane.schemas.common import Duration, Name, PositiveDuration, Selector, Stored, Strict, partial
+from controlplane.schemas.slos import genai_threshold_problem
 
 log = logging.getLogger("spillway.controlplane.rules")
 
@@ -50,11 +51,26 @@ class LatencyCondition(Frozen):
     token (`tpot`), from the OTel GenAI histograms. The threshold sits on one of the metric's bucket boundaries."""
 
     kind: Literal["latency"]
-    metric: Literal["request", "ttft", "tpot"] = "request"
+    metric: Literal["request", "ttft", "tpot"] = Field(
+        default="request", description="request: whole requests (V2 models); ttft, tpot: generative models' streams"
+    )
     quantile: float = Field(gt=0, lt=1, description="e.g. 0.99 for p99")
-    threshold_ms: float = Field(gt=0, le=3_600_000)
+    threshold_ms: float = Field(
+        gt=0, le=3_600_000, description="a bucket boundary of the metric's histogram (ttft, tpot: the GenAI buckets)"
+    )
     window: PositiveDuration = 300
-    min_requests: int = Field(default=20, ge=0, description="no firing on fewer requests than this")
+    min_requests: int = Field(default=20, ge=0, description="no firing on fewer requests (streams) than this")
+
+    @field_validator("threshold_ms")
+    @classmethod
+    def _on_a_genai_boundary(cls, value: float, info: ValidationInfo) -> float:
+        """Judged here, on the field (the error names `threshold_ms`), as for a ttft/tpot SLO: the GenAI boundaries
+        are fixed by the contract. A `request` threshold is judged against the configured latency buckets (settings)
+        where the API stores the rule."""
+        problem = genai_threshold_problem(str(info.data.get("metric")), value)  # no metric: refused already
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
 
 class ErrorRatioCondition(Frozen):
@@ -69,7 +85,7 @@ class ErrorRatioCondition(Frozen):
 GaugeMetric = Literal[
     "queue_depth", "gpu_memory_free_bytes", "gpu_memory_free_ratio", "gpu_temperature_c", "gpu_utilization",
     "kv_cache_use_ratio", "preemptions_per_minute", "active_streams",
-]
+]  # fmt: skip
 """`kv_cache_use_ratio`: KV blocks held / the budget's blocks (generative models); `preemptions_per_minute`: sequences
 preempted in the last whole minute; `active_streams`: generative sequences admitted and not finished."""
 
@@ -110,21 +126,33 @@ class TuneBatchingAction(Frozen):
         return self
 
 
+MAX_TOKENS_LIMIT = 1_048_576
+MAX_NUM_SEQS_LIMIT = 4096
+MAX_BATCHED_TOKENS_LIMIT = 1_048_576
+"""The largest values the policy document accepts (spillway/contract/policy.py `ModelPolicy`): a limit relaxed step by
+step during recovery never goes past them."""
+
+
 class CapMaxTokensAction(Frozen):
     """Generative models: a request asking for more than `max_tokens` (or for no limit) gets `max_tokens`, ends with
-    `finish_reason: length` and a `Spillway-Max-Tokens-Cap` header."""
+    `finish_reason: length` and a `Spillway-Max-Tokens-Cap` header. Recovery in steps doubles the cap each step."""
 
     kind: Literal["cap_max_tokens"]
-    max_tokens: int = Field(ge=1, le=1_048_576)
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT, description="the most tokens a new request may generate")
 
 
 class LimitGenerationAction(Frozen):
     """Generative models: lower the engine's `max_num_seqs` (sequences decoded at once) or its token budget per step
-    (`max_num_batched_tokens`) for new steps; running sequences beyond the new limit finish first."""
+    (`max_num_batched_tokens`) for new steps; running sequences beyond the new limit finish first. Recovery in steps
+    doubles both limits each step (the agent never goes above its configured limits)."""
 
     kind: Literal["limit_generation"]
-    max_num_seqs: int | None = Field(default=None, ge=1, le=4096)
-    max_num_batched_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, le=MAX_NUM_SEQS_LIMIT, description="sequences decoded at once, at most"
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, le=MAX_BATCHED_TOKENS_LIMIT, description="tokens one engine step computes, at most"
+    )
 
     @model_validator(mode="after")
     def _something_to_limit(self) -> LimitGenerationAction:
@@ -195,10 +223,10 @@ Action = Annotated[
     TuneBatchingAction | CapMaxTokensAction | LimitGenerationAction | OverflowAction | SwitchVariantAction
     | ShedAction | FallbackAction,
     Field(discriminator="kind"),
-]
+]  # fmt: skip
 ACTION_LADDER = (
     "tune_batching", "cap_max_tokens", "limit_generation", "overflow", "switch_variant", "shed", "fallback"
-)
+)  # fmt: skip
 """Actions from mildest to harshest: the order in which several rules on one agent compose."""
 
 
@@ -215,7 +243,8 @@ class Hysteresis(Frozen):
         default=1, ge=1, le=64,
         description=(
             "revert in this many steps, each after recover_after clear (shed, fallback, overflow by priority: one "
-            "level fewer per step; overflow by fraction: half the share per step)"
+            "level fewer per step; overflow by fraction: half the share per step; cap_max_tokens, "
+            "limit_generation: twice the limit per step)"
         ),
     )  # fmt: skip
     max_flaps_per_hour: int = Field(

@@ -1,20 +1,27 @@
 """The control loop over a real database (SQLite and PostgreSQL), with an injected clock: rules fire after
 `for`, recover step by step after `recover_after`, every transition is an event, dry-run rules only say what
-they would do, and each agent's policy document changes exactly when its rules in force do."""
+they would do, and each agent's policy document changes exactly when its rules in force do. Generative rules
+(TTFT, KV cache, preemptions) fire from what the agent's real telemetry exported over OTLP."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import select
 
-from controlplane.db.models import Agent, Event, Policy, Rule, RuleState, Slo
+from controlplane.db.models import Agent, Event, MetricRollup, Policy, Rule, RuleState, Slo
+from controlplane.ingest.receiver import series_key
 from controlplane.rules.loop import ControlLoop, PolicyDefaults
 from controlplane.schemas.rules import RuleCreate
 from controlplane.slo.windows import SloWindows
-from spillway.contract.policy import PolicyDocument
+from spillway.contract import names
+from spillway.contract.policy import PolicyDocument, parse
+from tests.conftest import Plane, telemetry_for
+from tests.utils.builders import make_rule
 from tests.utils.rollups import add_agent, add_gauge, add_requests
 
 T0 = datetime(2026, 11, 30, 9, 0, 5, tzinfo=timezone.utc)
@@ -153,3 +160,103 @@ def test_gauges_staleness_and_quiet_devices(factory: Any) -> None:
     assert hot.for_model("other").variant is None and hot.for_model("other").shed is not None  # `*` vs mlp
     assert _policy(factory, "gone").for_model("mlp").fallback.mode == "cache"  # type: ignore[union-attr]
     assert _policy(factory, "quiet").models == {}
+
+
+def _generative_minute(session: Any, agent: str, minute: datetime, streams: int, ttft_s: float, kv_used: float) -> None:
+    """A later minute of a generative model's telemetry, as the receiver would store it: `streams` first tokens
+    after `ttft_s`, a KV reading of `kv_used` of 100 blocks, no preemption."""
+    ttft = {names.ATTR_GENAI_MODEL: "tiny-lm", names.ATTR_GENAI_OPERATION: "chat"}
+    buckets = [0] * (len(names.GENAI_TTFT_BUCKETS) + 1)
+    buckets[bisect_left(names.GENAI_TTFT_BUCKETS, ttft_s)] = streams
+    rows = [(names.GENAI_TTFT, ttft, {"kind": "histogram", "count": streams, "total": streams * ttft_s,
+                                      "buckets": buckets, "bounds": list(names.GENAI_TTFT_BUCKETS)}),
+            (names.PREEMPTIONS, {"model": "tiny-lm"}, {"kind": "sum", "count": 0, "total": 0.0})]  # fmt: skip
+    for metric, value in ((names.KV_BLOCKS_USED, kv_used), (names.KV_BLOCKS_TOTAL, 100.0)):
+        reading = {"kind": "gauge", "count": 1, "total": value, "last": value, "min": value, "max": value}
+        rows.append((metric, {"model": "tiny-lm"}, reading))
+    for metric, attributes, values in rows:
+        session.add(MetricRollup(agent_id=agent, metric=metric, series=series_key(metric, attributes), minute=minute,
+                                 attributes=attributes, **{"buckets": [], "bounds": [], **values}))  # fmt: skip
+
+
+def test_generative_rules_fire_from_real_otlp_cap_tokens_limit_the_engine_and_recover(plane: Plane) -> None:
+    admin = {"Authorization": f"Bearer {plane.admin}"}
+    selector = {"model": "tiny-lm"}
+    ids = {}
+    for rule in (
+        make_rule(name="ttft-cap", selector=selector, hysteresis={"recover_after": 60, "recovery_steps": 2},
+                  condition={"kind": "latency", "metric": "ttft", "quantile": 0.9, "threshold_ms": 100,
+                             "window": 120, "min_requests": 5},
+                  action={"kind": "cap_max_tokens", "max_tokens": 128}),
+        make_rule(name="kv-full", selector=selector, hysteresis={},
+                  condition={"kind": "gauge", "metric": "kv_cache_use_ratio", "op": ">", "threshold": 0.8},
+                  action={"kind": "limit_generation", "max_num_seqs": 4, "max_num_batched_tokens": 256}),
+        make_rule(name="preempting", selector=selector, hysteresis={},
+                  condition={"kind": "gauge", "metric": "preemptions_per_minute", "op": ">=", "threshold": 5},
+                  action={"kind": "limit_generation", "max_num_seqs": 2}),
+    ):  # fmt: skip
+        made = httpx.post(f"{plane.url}/api/v1/rules", json=rule, headers=admin)
+        assert made.status_code == 201, made.text
+        ids[rule["name"]] = made.json()["id"]
+
+    # The agent's own instruments, exported over OTLP: 10 streams, 8 of them 2 s to the first token (p90 far above
+    # 100 ms); 90 of 100 KV blocks held; 7 sequences preempted.
+    telemetry = telemetry_for(plane)
+    telemetry.watch_engines(lambda: [("tiny-lm", {"kv_blocks": {"used": 90, "total": 100}, "preemptions": 7})])
+    recorder = telemetry.generation("tiny-lm")
+    for i in range(10):
+        recorder.finished(1, "local", operation="chat", prompt_tokens=12, completion_tokens=20,
+                          ttft_s=2.0 if i < 8 else 0.05, duration_s=3.0)  # fmt: skip
+    assert telemetry.provider.force_flush(10_000)
+    telemetry.shutdown()
+    # One collection stamps every point with one time, so all of it lands in one minute (shutdown's second,
+    # unchanged collection may add empty rollups to the next one).
+    minute = min(r.minute for r in plane.rollups(names.GENAI_TTFT)).replace(tzinfo=timezone.utc)
+    loop, factory, agent = plane.app.state.control_loop, plane.app.state.sessionmaker, plane.agent_id
+
+    # The next minute: the exported one is the last whole minute, whose preemptions are the rate.
+    fired = loop.cycle(minute + timedelta(seconds=65))
+    assert sorted(t["kind"] + ":" + t["rule"] for t in fired.transitions) == [
+        "rule.fired:kv-full", "rule.fired:preempting", "rule.fired:ttft-cap"
+    ]  # fmt: skip
+    got = httpx.get(f"{plane.url}/api/v1/agents/{agent}/policy", headers={"Authorization": f"Bearer {plane.token}"})
+    policy = parse(got.content)  # the agent's own parser
+    limits = policy.for_model("tiny-lm")
+    assert (limits.max_tokens_cap, limits.max_num_seqs, limits.max_num_batched_tokens) == (128, 2, 256)
+    assert sorted(c.action for c in policy.causes) == ["cap_max_tokens", "limit_generation", "limit_generation"]
+    with factory() as session:
+        observed = {e.data["rule"]: e.data["observed"]
+                    for e in session.scalars(select(Event).where(Event.kind == "rule.fired"))}  # fmt: skip
+    assert observed["ttft-cap"]["metric"] == "ttft" and observed["ttft-cap"]["requests"] == 10
+    assert observed["ttft-cap"]["within_threshold"] == pytest.approx(0.2)
+    assert observed["kv-full"]["value"] == pytest.approx(0.9)
+    assert (observed["kv-full"]["kv_blocks_used"], observed["kv-full"]["kv_blocks_total"]) == (90, 100)
+    assert observed["preempting"]["value"] == 7
+
+    # Calm: fast first tokens, a tenth of the KV cache, no preemption. The gauges let go at once; the cap doubles
+    # once after `recover_after`, then goes.
+    with factory() as session, session.begin():
+        for later in range(2, 7):
+            _generative_minute(session, agent, minute + timedelta(minutes=later), streams=20, ttft_s=0.05, kv_used=10)
+    calm = minute + timedelta(minutes=3, seconds=5)
+    assert loop.cycle(calm).transitions == []  # clear: recovering, every action still in force
+    stepped = loop.cycle(calm + timedelta(seconds=65))
+    assert sorted(t["kind"] + ":" + t["rule"] for t in stepped.transitions) == [
+        "rule.recovered:kv-full", "rule.recovered:preempting", "rule.stepped_down:ttft-cap"
+    ]  # fmt: skip
+    relaxed = _policy(factory, agent).for_model("tiny-lm")
+    assert (relaxed.max_tokens_cap, relaxed.max_num_seqs, relaxed.max_num_batched_tokens) == (256, None, None)
+    (state,) = httpx.get(f"{plane.url}/api/v1/rules/{ids['ttft-cap']}/status", headers=admin).json()
+    assert (state["state"], state["step"], state["in_force"]) == ("recovering", 1, {"kind": "cap_max_tokens",
+                                                                                    "max_tokens": 256})  # fmt: skip
+    recovered = loop.cycle(calm + timedelta(seconds=130))
+    assert [t["kind"] + ":" + t["rule"] for t in recovered.transitions] == ["rule.recovered:ttft-cap"]
+    final = _policy(factory, agent)
+    assert (final.models, final.causes) == ({}, [])
+    with factory() as session:
+        step = session.scalars(select(Event).where(Event.kind == "rule.stepped_down")).one()
+        assert step.data["action"] == {"kind": "cap_max_tokens", "max_tokens": 256}
+        assert step.data["observed"]["within_threshold"] == 1.0
+        query = select(Event).where(Event.kind == "policy.published", Event.agent_id == agent).order_by(Event.id)
+        published = [e.data["models"] for e in session.scalars(query)]
+    assert [m.get("tiny-lm", {}).get("max_tokens_cap") for m in published] == [128, 256, None]

@@ -50,6 +50,7 @@ def test_agents_poll_their_own_policy_with_etags(api: Api) -> None:
     rule_id = api.call("GET", "/api/v1/rules", role="viewer").json()["items"][0]["id"]
     states = api.call("GET", f"/api/v1/rules/{rule_id}/status", role="viewer").json()
     assert [(s["agent_name"], s["state"], s["observed"]["value"]) for s in states] == [("a1", "firing", 9)]
+    assert states[0]["in_force"] == {"kind": "shed", "priority_at_or_below": 2, "retry_after_s": 7}
     changed = api.client.get(path, headers={**me, "If-None-Match": etag})
     assert changed.status_code == 200 and changed.headers["etag"] != etag
     policy = PolicyDocument.model_validate_json(changed.content)
