@@ -9,6 +9,7 @@ Errors form one small tree, so a page can catch what it can explain to an operat
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -63,8 +64,13 @@ class ApiError(DashboardApiError):
         )
 
 
+# A check across a body's fields names the field it is about first: `model_map: 'x' is not one of ...`.
+NAMED_FIELD = re.compile(r"^([a-z_][a-z0-9_]*): (.+)$", re.DOTALL)
+
+
 def field_errors(details: Any) -> dict[str, str]:
-    """The API's `details: [{"field", "message"}]` as {path: message}, with the `body.` prefix dropped."""
+    """The API's `details: [{"field", "message"}]` as {path: message}, with the `body.` prefix dropped; a message
+    about the whole body that starts with a field's name (`model_map: ...`) goes to that field."""
     if not isinstance(details, list):
         return {}
     found: dict[str, str] = {}
@@ -73,6 +79,9 @@ def field_errors(details: Any) -> dict[str, str]:
             continue
         path = str(item["field"]).removeprefix("body.")
         message = str(item.get("message", "")).removeprefix("Value error, ")
+        named = NAMED_FIELD.match(message) if path == "body" else None
+        if named is not None:
+            path, message = named.group(1), named.group(2)
         found[path] = f"{found[path]}; {message}" if path in found else message
     return found
 

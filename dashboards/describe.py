@@ -13,12 +13,18 @@ ALL_MODELS = "*"
 # The degradation ladder, mildest first (ARCHITECTURE.md "Degradation rules"); each rule action is one rung.
 LADDER: tuple[tuple[str, str], ...] = (
     ("tune_batching", "tune batching"),
+    ("cap_max_tokens", "cap max_tokens"),
+    ("limit_generation", "limit generation"),
     ("overflow", "overflow to the cloud"),
     ("switch_variant", "lighter variant"),
     ("shed", "shed low priorities"),
     ("fallback", "serve fallbacks"),
 )
 OPS = {">": "above", ">=": "at or above", "<": "below", "<=": "at or below"}
+# What a latency condition's `metric` measures (the API's LatencyCondition.metric).
+LATENCY_METRICS = {"request": "latency", "ttft": "time to first token", "tpot": "time per output token"}
+# SLI kinds that judge a time against `threshold_ms` (the others, availability, have none).
+THRESHOLD_KINDS = frozenset({"latency", "ttft", "tpot"})
 
 
 def labels_text(labels: Any) -> str:
@@ -41,7 +47,8 @@ def condition_text(condition: dict[str, Any]) -> str:
                 f"{condition.get('long_window')} and {condition.get('short_window')}")  # fmt: skip
     if kind == "latency":
         quantile = float(condition.get("quantile", 0)) * 100
-        return f"p{quantile:g} latency > {condition.get('threshold_ms')} ms over {condition.get('window')}"
+        what = LATENCY_METRICS.get(str(condition.get("metric") or "request"), condition.get("metric"))
+        return f"p{quantile:g} {what} > {condition.get('threshold_ms')} ms over {condition.get('window')}"
     if kind == "error_ratio":
         return f"error ratio > {condition.get('threshold')} over {condition.get('window')}"
     if kind == "gauge":
@@ -58,6 +65,10 @@ def action_text(action: dict[str, Any]) -> str:
     if kind == "tune_batching":
         parts = batching_parts(action, "batch window", "preferred sizes")
         return "tune batching: " + (", ".join(parts) or "as configured")
+    if kind == "cap_max_tokens":
+        return f"cap max_tokens at {action.get('max_tokens')}"
+    if kind == "limit_generation":
+        return "limit generation: " + (", ".join(generation_parts(action)) or "as configured")
     if kind == "overflow":
         mode = action.get("mode", "deadline")
         if mode == "fraction":
@@ -73,8 +84,20 @@ def action_text(action: dict[str, Any]) -> str:
         return (f"shed priority {action.get('priority_at_or_below')} and lower "
                 f"(Retry-After {action.get('retry_after_s', 5)} s)")  # fmt: skip
     if kind == "fallback":
-        return f"{action.get('mode', 'cache')} fallback for priority {action.get('priority_at_or_below')} and lower"
+        text = " (default text)" if action.get("mode") == "default" and action.get("default_text") else ""
+        return (f"{action.get('mode', 'cache')} fallback{text} for priority {action.get('priority_at_or_below')} "
+                "and lower")  # fmt: skip
     return str(kind)
+
+
+def generation_parts(entry: dict[str, Any]) -> list[str]:
+    """The engine limits an action or a policy entry sets (`max_num_seqs`, `max_num_batched_tokens`)."""
+    parts = []
+    if entry.get("max_num_seqs") is not None:
+        parts.append(f"max_num_seqs {entry['max_num_seqs']}")
+    if entry.get("max_num_batched_tokens") is not None:
+        parts.append(f"token budget {entry['max_num_batched_tokens']}")
+    return parts
 
 
 def batching_parts(entry: dict[str, Any], window: str, sizes: str) -> list[str]:
@@ -126,6 +149,10 @@ def policy_fields(model: dict[str, Any], rung: str) -> str | None:
     """What one model entry of a policy document says for one rung, or None when the rung is not in force."""
     if rung == "tune_batching":
         return ", ".join(batching_parts(model, "window", "sizes")) or None
+    if rung == "cap_max_tokens":
+        return f"max_tokens ≤ {model['max_tokens_cap']}" if model.get("max_tokens_cap") is not None else None
+    if rung == "limit_generation":
+        return ", ".join(generation_parts(model)) or None
     if rung == "overflow":
         return overflow_text(model.get("overflow"))
     if rung == "switch_variant":
@@ -267,3 +294,97 @@ def _flat(value: Any) -> Any:
 def _short(value: Any, width: int = 60) -> str:
     text = number(value) if isinstance(value, (int, float)) else str(value)
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def sli_text(slo: dict[str, Any]) -> str:
+    """An SLO's SLI kind with its threshold when it has one: `ttft ≤ 500 ms`, `availability`."""
+    kind = str(slo.get("sli_kind"))
+    if kind in THRESHOLD_KINDS and slo.get("threshold_ms") is not None:
+        return f"{kind} ≤ {number(slo['threshold_ms'])} ms"
+    return kind
+
+
+def model_policy(policy: dict[str, Any] | None, model: str) -> dict[str, Any]:
+    """What a policy document applies to one model: its own entry's fields over the `*` entry's (as the agent
+    reads it, `PolicyDocument.for_model`)."""
+    models = (policy or {}).get("models") or {}
+    base = {k: v for k, v in (models.get(ALL_MODELS) or {}).items() if v is not None}
+    return {**base, **{k: v for k, v in (models.get(model) or {}).items() if v is not None}}
+
+
+GENERATIVE_FIELDS = ("max_tokens_cap", "max_num_seqs", "max_num_batched_tokens")
+
+
+def generative_settings(policy: dict[str, Any] | None, models: Iterable[str]) -> list[dict[str, Any]]:
+    """One row per generative model (those the agent reports, and any a policy entry limits): the variant and the
+    engine limits in force, `as configured` where the policy leaves one alone."""
+    entries = (policy or {}).get("models") or {}
+    limited = {m for m, e in entries.items() if m != ALL_MODELS and any(e.get(f) for f in GENERATIVE_FIELDS)}
+    named = set(models) | limited
+    rows = []
+    for model in sorted(named):
+        entry = model_policy(policy, model)
+
+        def show(field: str, entry: dict[str, Any] = entry) -> str:
+            return number(entry[field]) if entry.get(field) is not None else "as configured"
+
+        rows.append({
+            "model": model, "variant": show("variant"), "max_tokens cap": show("max_tokens_cap"),
+            "max_num_seqs": show("max_num_seqs"), "token budget per step": show("max_num_batched_tokens"),
+        })  # fmt: skip
+    return rows
+
+
+def kv_cache_text(entry: dict[str, Any]) -> str:
+    """KV-cache use of one generative model: `75 % (96 / 128 blocks)`, from the last gauges."""
+    use, used, total = entry.get("kv_cache_use"), entry.get("kv_blocks_used"), entry.get("kv_blocks_total")
+    if use is None:
+        return "-"
+    blocks = f" ({number(used)} / {number(total)} blocks)" if used is not None and total is not None else ""
+    return f"{use:.0%}{blocks}"
+
+
+def generation_rows(generation: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The agent metrics' `generation` entries as table rows: throughput, TTFT and TPOT, KV cache, preemptions."""
+    rows = []
+    for g in generation:
+        ttft, tpot = g.get("ttft_ms") or {}, g.get("tpot_ms") or {}
+        rows.append({
+            "model": g["model"], "streams": g.get("requests"), "streams/s": g.get("streams_per_s"),
+            "tokens in/s": g.get("tokens_in_per_s"), "tokens out/s": g.get("tokens_out_per_s"),
+            "TTFT p50 ms": ttft.get("p50"), "TTFT p90 ms": ttft.get("p90"), "TTFT p99 ms": ttft.get("p99"),
+            "TPOT p50 ms": tpot.get("p50"), "TPOT p90 ms": tpot.get("p90"), "TPOT p99 ms": tpot.get("p99"),
+            "KV-cache use": kv_cache_text(g), "preemptions": g.get("preemptions"),
+            "preemptions/min": g.get("preemptions_per_min"), "active streams": g.get("active_streams"),
+            "outcomes": outcome_mix(g.get("outcomes") or {}),
+        })  # fmt: skip
+    return rows
+
+
+def worst_ttft_p99(metrics: dict[str, Any] | None) -> float | None:
+    """The highest TTFT p99 over an agent's generative models (None: it serves none, or reported none)."""
+    values = [g["ttft_ms"]["p99"] for g in (metrics or {}).get("generation") or []
+              if (g.get("ttft_ms") or {}).get("p99") is not None]  # fmt: skip
+    return max(values) if values else None
+
+
+def tokens_out_per_s(metrics: dict[str, Any] | None) -> float | None:
+    """Output tokens per second over an agent's generative models (None: it serves none)."""
+    generation = (metrics or {}).get("generation") or []
+    values = [g["tokens_out_per_s"] for g in generation if g.get("tokens_out_per_s") is not None]
+    return sum(values) if values else None
+
+
+def burn_text(alerts: list[dict[str, Any]]) -> str:
+    """An SLO's burn rate in one line, from its status's alert pairs: the pair closest to firing (both of its windows
+    over their threshold fires it), `20.5x / 19.8x over 56m/5m (fires at 14.4x)`."""
+    if not alerts:
+        return "-"
+
+    def closeness(alert: dict[str, Any]) -> float:
+        rates = (alert.get("long_burn_rate") or 0.0, alert.get("short_burn_rate") or 0.0)
+        return min(rates) / alert["threshold"] if alert.get("threshold") else 0.0
+
+    pair = max(alerts, key=closeness)
+    return (f"{number(pair.get('long_burn_rate'))}x / {number(pair.get('short_burn_rate'))}x over "
+            f"{pair['long']}/{pair['short']} (fires at {number(pair.get('threshold'))}x)")  # fmt: skip

@@ -14,11 +14,12 @@ from typing import Any
 
 import streamlit as st
 
-from dashboards.describe import labels_text
+from dashboards.describe import LATENCY_METRICS, THRESHOLD_KINDS, labels_text
 from dashboards.session import LocalFieldErrors, field_error, form_errors, form_summary
 
 CONDITION_KINDS = ("burn_rate", "latency", "error_ratio", "gauge", "stale")
-ACTION_KINDS = ("tune_batching", "overflow", "switch_variant", "shed", "fallback")  # the ladder, mildest first
+# The ladder, mildest first (the API's ACTION_LADDER); cap_max_tokens and limit_generation act on generative models.
+ACTION_KINDS = ("tune_batching", "cap_max_tokens", "limit_generation", "overflow", "switch_variant", "shed", "fallback")
 OVERFLOW_MODES = ("deadline", "fraction", "priority")
 OVERFLOW_HELP = "requests predicted to miss their deadline always go to the cloud; a mode can add more"
 OVERFLOW_MODE_LABELS = {
@@ -32,7 +33,9 @@ OVERFLOW_PARAMETERS = {
     "priority": ("priority_at_or_below", "mode priority needs the priority level to send, with every lower one"),
 }
 GAUGE_METRICS = ("queue_depth", "gpu_memory_free_bytes", "gpu_memory_free_ratio", "gpu_temperature_c",
-                 "gpu_utilization")  # fmt: skip
+                 "gpu_utilization", "kv_cache_use_ratio", "preemptions_per_minute", "active_streams")  # fmt: skip
+LATENCY_METRIC_CHOICES = tuple(LATENCY_METRICS)
+SLI_KINDS = ("latency", "availability", "ttft", "tpot")
 OPS = (">", ">=", "<", "<=")
 
 
@@ -112,14 +115,16 @@ def slo_form(key: str, current: dict[str, Any] | None, disabled: bool) -> Build 
         left, right = st.columns(2)
         with left:
             name = form.field("name", st.text_input, "Name", value=current.get("name", ""))
-            kinds = ["latency", "availability"]
-            sli_kind = form.field("sli_kind", st.selectbox, "SLI", kinds,
-                                  index=kinds.index(current.get("sli_kind", "latency")))  # fmt: skip
+            kind = current.get("sli_kind", "latency")
+            sli_kind = form.field("sli_kind", st.selectbox, "SLI", SLI_KINDS,
+                                  index=SLI_KINDS.index(kind) if kind in SLI_KINDS else 0,
+                                  help="ttft: time to first token, tpot: time per output token (generative "
+                                  "models)")  # fmt: skip
             objective = form.field("objective", st.number_input, "Objective (%)",
                                    value=float(current.get("objective", 99.0)), step=0.1, format="%.3f")  # fmt: skip
-            threshold = form.field("threshold_ms", st.number_input, "Latency threshold (ms, latency SLIs)",
+            threshold = form.field("threshold_ms", st.number_input, "Threshold (ms; latency, ttft and tpot SLIs)",
                                    value=optional_number(current.get("threshold_ms", 50.0)), step=1.0,
-                                   help="a latency bucket boundary")  # fmt: skip
+                                   help="a bucket boundary of the SLI's histogram")  # fmt: skip
         with right:
             window = form.field("window", st.text_input, "Window", value=str(current.get("window", "28d")))
             chosen = selector(form, current.get("selector"))
@@ -135,7 +140,7 @@ def slo_form(key: str, current: dict[str, Any] | None, disabled: bool) -> Build 
         body: dict[str, Any] = {
             "name": name.strip(), "description": description, "sli_kind": sli_kind, "objective": objective,
             "window": window.strip(), "selector": chosen,
-            "threshold_ms": threshold if sli_kind == "latency" else None,
+            "threshold_ms": threshold if sli_kind in THRESHOLD_KINDS else None,
         }  # fmt: skip
         windows = parse_alert_windows(alerts)
         if windows is not None:
@@ -176,6 +181,11 @@ def condition_fields(form: Form, kind: str, current: dict[str, Any], slo_names: 
         body["threshold"] = form.field("condition.threshold", st.number_input, "Burn-rate threshold",
                                        value=float(c.get("threshold", 14.4)))  # fmt: skip
     elif kind == "latency":
+        metric = c.get("metric") or "request"
+        body["metric"] = form.field("condition.metric", st.selectbox, "Of", LATENCY_METRIC_CHOICES,
+                                    index=LATENCY_METRIC_CHOICES.index(metric) if metric in LATENCY_METRIC_CHOICES
+                                    else 0, format_func=LATENCY_METRICS.get,
+                                    help="ttft and tpot: generative models' GenAI histograms")  # fmt: skip
         body["quantile"] = form.field("condition.quantile", st.number_input, "Quantile (0.99: p99)",
                                       value=float(c.get("quantile", 0.99)), step=0.01, format="%.3f")  # fmt: skip
         body["threshold_ms"] = form.field("condition.threshold_ms", st.number_input, "Threshold (ms)",
@@ -223,6 +233,19 @@ def action_fields(form: Form, kind: str, current: dict[str, Any]) -> dict[str, A
         sizes = ",".join(str(s) for s in a.get("preferred_batch_sizes") or [])
         body["preferred_batch_sizes"] = form.field("action.preferred_batch_sizes", st.text_input,
                                                    "Preferred batch sizes (e.g. 4,8)", value=sizes)  # fmt: skip
+    elif kind == "cap_max_tokens":
+        body["max_tokens"] = form.field("action.max_tokens", st.number_input, "Cap max_tokens at",
+                                        value=int(a.get("max_tokens", 256)), step=16,
+                                        help="a request asking for more (or for no limit) gets this many tokens "
+                                        "at most")  # fmt: skip
+    elif kind == "limit_generation":
+        for field, label in (
+            ("max_num_seqs", "Max sequences at once (empty: as configured)"),
+            ("max_num_batched_tokens", "Token budget per step (empty: as configured)"),
+        ):
+            limit = a.get(field)
+            body[field] = form.field(f"action.{field}", st.number_input, label,
+                                     value=None if limit is None else int(limit), step=1)  # fmt: skip
     elif kind == "overflow":
         mode = a.get("mode", "deadline")
         body["mode"] = form.field("action.mode", st.selectbox, "Send to the cloud", OVERFLOW_MODES,
@@ -252,6 +275,9 @@ def action_fields(form: Form, kind: str, current: dict[str, Any]) -> dict[str, A
             body["default_outputs"] = form.field("action.default_outputs", st.text_area,
                                                  "Default outputs (V2 output tensors as JSON; mode default)",
                                                  value=json.dumps(outputs) if outputs else "")  # fmt: skip
+            body["default_text"] = form.field("action.default_text", st.text_area,
+                                              "Default text (generative models; mode default)",
+                                              value=a.get("default_text") or "")  # fmt: skip
     return body
 
 
@@ -274,6 +300,8 @@ def finish_action(body: dict[str, Any]) -> dict[str, Any]:
             body["default_outputs"] = json.loads(text) if text else None
         except ValueError as exc:
             raise LocalFieldErrors({"action.default_outputs": f"not JSON: {exc}"}) from None
+        text = body.get("default_text") or ""
+        body["default_text"] = text if text.strip() else None
     return body
 
 
@@ -336,20 +364,54 @@ def rule_form(key: str, current: dict[str, Any] | None, disabled: bool, slo_name
 # -- backends --------------------------------------------------------------------------------------------------
 
 
+BACKEND_PROTOCOLS = ("v2", "openai")
+PROTOCOL_LABELS = {"v2": "v2: a KServe / Triton V2 inference server",
+                   "openai": "openai: an OpenAI-compatible server (vLLM, TGI, llama.cpp, ...)"}  # fmt: skip
+
+
+def model_map_text(model_map: dict[str, str] | None) -> str:
+    return ", ".join(f"{edge}={cloud}" for edge, cloud in sorted((model_map or {}).items()))
+
+
+def parse_model_map(text: str) -> dict[str, str]:
+    """`tiny-lm=Qwen2.5-7B-Instruct, coder=...` -> {edge name: cloud name}; empty -> {} (the names are the same)."""
+    found: dict[str, str] = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        edge, sep, cloud = item.partition("=")
+        if not sep or not edge.strip() or not cloud.strip():
+            raise LocalFieldErrors({"model_map": f"'{item.strip()}' is not edge_name=cloud_name"})
+        if edge.strip() in found:
+            raise LocalFieldErrors({"model_map": f"'{edge.strip()}' is mapped twice"})
+        found[edge.strip()] = cloud.strip()
+    return found
+
+
 def backend_form(key: str, current: dict[str, Any] | None, disabled: bool) -> Build | None:
     """The backend form; when submitted, returns what builds the request body. `auth_header` is write-only: left
     empty on an edit it is not sent, so the stored one stays."""
     current = current or {}
     form = open_form(key, disabled)
     with st.form(key, border=True):
-        form_summary(form.errors, ["name", "url", "models", "weight", "max_concurrency", "timeout_ms",
-                                   "binary_tensors", "auth_header"])  # fmt: skip
+        form_summary(form.errors, ["name", "protocol", "url", "models", "model_map", "weight", "max_concurrency",
+                                   "timeout_ms", "binary_tensors", "auth_header"])  # fmt: skip
         left, right = st.columns(2)
         with left:
             name = form.field("name", st.text_input, "Name", value=current.get("name", ""))
-            url = form.field("url", st.text_input, "URL (a V2 inference server)", value=current.get("url", ""))
-            models = form.field("models", st.text_input, "Models (comma-separated)",
+            protocol = current.get("protocol") or "v2"
+            protocol = form.field("protocol", st.selectbox, "Protocol", BACKEND_PROTOCOLS,
+                                  index=BACKEND_PROTOCOLS.index(protocol) if protocol in BACKEND_PROTOCOLS else 0,
+                                  format_func=PROTOCOL_LABELS.get)  # fmt: skip
+            url = form.field("url", st.text_input, "Base URL", value=current.get("url", ""),
+                             help="v2: the server's root; openai: the root under which /v1/models and "
+                             "/v1/chat/completions are served")  # fmt: skip
+            models = form.field("models", st.text_input, "Models (comma-separated, the edge's names)",
                                 value=",".join(current.get("models") or []))  # fmt: skip
+            mapping = form.field("model_map", st.text_input, "Model names in the cloud (openai; optional)",
+                                 value=model_map_text(current.get("model_map")),
+                                 help="edge_name=cloud_name, comma-separated, e.g. tiny-lm=Qwen2.5-7B-Instruct; "
+                                 "empty: the same names")  # fmt: skip
             hint = "set: leave empty to keep it" if current.get("auth_header_set") else "none set"
             auth = form.field("auth_header", st.text_input, f"Authorization header ({hint})", value="",
                               type="password")  # fmt: skip
@@ -359,16 +421,21 @@ def backend_form(key: str, current: dict[str, Any] | None, disabled: bool) -> Bu
                                      value=int(current.get("max_concurrency", 64)), step=1)  # fmt: skip
             timeout = form.field("timeout_ms", st.number_input, "Timeout (ms)",
                                  value=int(current.get("timeout_ms", 10000)), step=100)  # fmt: skip
-            binary = form.field("binary_tensors", st.checkbox, "Binary tensors",
+            binary = form.field("binary_tensors", st.checkbox, "Binary tensors (v2)",
                                 value=bool(current.get("binary_tensors", True)))  # fmt: skip
         submitted = st.form_submit_button("Save backend" if current else "Add backend", disabled=disabled,
                                           type="primary")  # fmt: skip
     if not submitted:
         return None
-    body: dict[str, Any] = {
-        "name": name.strip(), "url": url.strip(), "models": [m.strip() for m in models.split(",") if m.strip()],
-        "weight": weight, "max_concurrency": concurrency, "timeout_ms": timeout, "binary_tensors": binary,
-    }  # fmt: skip
-    if auth:
-        body["auth_header"] = auth
-    return lambda: body
+
+    def build() -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "name": name.strip(), "protocol": protocol, "url": url.strip(),
+            "models": [m.strip() for m in models.split(",") if m.strip()], "model_map": parse_model_map(mapping),
+            "weight": weight, "max_concurrency": concurrency, "timeout_ms": timeout, "binary_tensors": binary,
+        }  # fmt: skip
+        if auth:
+            body["auth_header"] = auth
+        return body
+
+    return build

@@ -61,13 +61,16 @@ def backend_state(backend: dict[str, Any], now: datetime) -> str:
 
 
 def gateway_rows(view: GatewayView, configured: list[dict[str, Any]], now: datetime) -> list[dict[str, Any]]:
-    """One row per backend, by name: its live state where the gateway has loaded it, a note where it has not yet
-    (just added), and backends the gateway still holds though they are no longer configured (just deleted)."""
+    """One row per backend, by name: its live state where the gateway has loaded it (readiness: a V2 backend's
+    model-ready checks, an openai one's `GET /v1/models`), a note where it has not yet (just added), and backends the
+    gateway still holds though they are no longer configured (just deleted)."""
     live = {b.get("id") or b.get("name"): b for b in view.backends}
     rows = []
     for backend in configured:
         state = live.pop(backend["id"], None) or live.pop(backend["name"], None)
-        rows.append(_row(state, now) if state is not None else {"backend": backend["name"], "state": NOT_LOADED})
+        protocol = backend.get("protocol") or "v2"
+        rows.append({**_row(state, now), "protocol": protocol} if state is not None
+                    else {"backend": backend["name"], "protocol": protocol, "state": NOT_LOADED})  # fmt: skip
     rows += [_row(state, now) for state in live.values()]
     return sorted(rows, key=lambda r: str(r["backend"]))
 
@@ -77,6 +80,7 @@ def _row(backend: dict[str, Any], now: datetime) -> dict[str, Any]:
     rate = f"{errors / requests:.1%}" if isinstance(requests, int) and isinstance(errors, int) and requests else "-"
     return {
         "backend": backend.get("name") or backend.get("id"),
+        "protocol": backend.get("protocol") or "v2",
         "state": backend_state(backend, now),
         "in flight / cap": f"{number(backend.get('outstanding'))} / {number(backend.get('max_concurrency'))}",
         "requests": requests,

@@ -1,5 +1,5 @@
-"""Backends: the cloud V2 servers that take the overflow, their live state in the gateway, their recent events, and
-forms to add and edit them."""
+"""Backends: the cloud servers (V2 or OpenAI-compatible) that take the overflow, their live state in the gateway
+(health, ejections, load), their recent events, and forms to add and edit them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import streamlit as st
 from dashboards import forms, session
 from dashboards.describe import clock, event_numbers, event_subject
 from dashboards.editor import Crud, crud
+from dashboards.forms import model_map_text
 from dashboards.gateway import gateway_rows, gateway_summary, gateway_view
 
 NO_GATEWAY_NOTE = (
@@ -48,7 +49,9 @@ def _overview() -> None:
         st.caption("No backends configured.")
     else:
         st.dataframe(pd.DataFrame([{
-            "backend": b["name"], "url": b["url"], "models": ", ".join(b["models"]), "weight": b["weight"],
+            "backend": b["name"], "protocol": b.get("protocol") or "v2", "url": b["url"],
+            "models": ", ".join(b["models"]), "model map": model_map_text(b.get("model_map")) or "-",
+            "weight": b["weight"],
             "max concurrency": b["max_concurrency"], "timeout ms": b["timeout_ms"],
             "binary tensors": b["binary_tensors"], "auth header": "set" if b["auth_header_set"] else "-",
             "version": b["version"], "updated": clock(b["updated_at"]),

@@ -1,4 +1,5 @@
-"""One device: latency percentiles and queue depth over time, batch sizes, GPU gauges, its policy and events."""
+"""One device: latency percentiles and queue depth over time, batch sizes, its generative models' streams (tokens/s,
+TTFT and TPOT, KV cache, preemptions) and limits, GPU gauges, its policy and events."""
 
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ from dashboards.describe import (
     agent_state,
     clock,
     event_numbers,
+    generation_rows,
+    generative_settings,
     labels_text,
     ladder,
     number,
     outcome_mix,
     overflow_text,
+    policy_fields,
+    tokens_out_per_s,
     worst_p99,
+    worst_ttft_p99,
 )
 from dashboards.history import sample_log
 
@@ -71,12 +77,23 @@ def _device(agent_id: str, window: str) -> None:
         for q in ("p50", "p95", "p99"):
             sample[f"{group} {q}"] = t["latency_ms"][q]
         sample[f"{group} queue"] = None if t["queue_depth"] is None else t["queue_depth"]["last"]
+    generation = metrics.get("generation") or []  # absent from a control plane from before generative telemetry
+    for g in generation:
+        sample[f"{g['model']} TTFT p99 ms"] = (g.get("ttft_ms") or {}).get("p99")
+        sample[f"{g['model']} TPOT p99 ms"] = (g.get("tpot_ms") or {}).get("p99")
+        sample[f"{g['model']} tokens out/s"] = g.get("tokens_out_per_s")
     gauges = metrics["device"]
     for g in gauges:
         sample[f"{g['metric']} {labels_text(g['attributes'])}"] = g["last"]
     log.add(sample)
+    history = log.long()
+
+    if generation:  # first: on a device that serves a chat model, its streams are what an operator looks at
+        _generation(generation, policy, history, window)
 
     st.subheader("Traffic")
+    if generation:
+        st.caption("Generative models count here per priority and outcome; their latency is the TTFT and TPOT above.")
     if not traffic:
         st.info(f"No requests reported in the last {window}.")
     else:
@@ -101,7 +118,6 @@ def _device(agent_id: str, window: str) -> None:
             if mix:
                 st.altair_chart(charts.outcome_bars(mix), width="stretch")
 
-    history = log.long()
     latency = history[history["series"].str.contains(r" p\d\d$", regex=True)]
     queue = history[history["series"].str.endswith(" queue")]
     _side_by_side((latency, "Latency percentiles over time (sampled)", "ms"),
@@ -130,6 +146,8 @@ def _device(agent_id: str, window: str) -> None:
         st.dataframe(pd.DataFrame([{
             "model": name, "variant": m.get("variant"), "batch window µs": m.get("max_queue_delay_us"),
             "preferred sizes": ",".join(str(s) for s in m.get("preferred_batch_sizes") or []) or None,
+            "generation": "; ".join(t for rung in ("cap_max_tokens", "limit_generation")
+                                    if (t := policy_fields(m, rung)) is not None) or None,
             "overflow": overflow_text(m.get("overflow")),
             "shed": None if not m.get("shed") else f"priority ≥ {m['shed']['at_or_below']}",
             "fallback": None if not m.get("fallback")
@@ -151,6 +169,30 @@ def _device(agent_id: str, window: str) -> None:
         st.dataframe(pd.DataFrame(rows), hide_index=True)
     else:
         st.caption("No events for this agent.")
+
+
+def _generation(generation: list[dict[str, Any]], policy: dict[str, Any], history: pd.DataFrame, window: str) -> None:
+    """Generative models: streams and tokens/s, TTFT and TPOT percentiles, KV cache, preemptions, active streams, and
+    the engine limits the policy has in force."""
+    st.subheader("Generation")
+    active = [g["active_streams"] for g in generation if g.get("active_streams") is not None]
+    kv = [g["kv_cache_use"] for g in generation if g.get("kv_cache_use") is not None]
+    cols = st.columns(4)
+    cols[0].metric(f"Tokens out/s ({window})", number(tokens_out_per_s({"generation": generation})))
+    cols[1].metric("TTFT p99 ms (slowest model)", number(worst_ttft_p99({"generation": generation})))
+    cols[2].metric("Active streams", number(sum(active)) if active else "-")
+    cols[3].metric("KV-cache use (fullest)", f"{max(kv):.0%}" if kv else "-")
+    st.dataframe(pd.DataFrame(generation_rows(generation)), hide_index=True,
+                 column_config={c: st.column_config.NumberColumn(format="%.1f")
+                                for c in ("streams/s", "tokens in/s", "tokens out/s", "TTFT p50 ms", "TTFT p90 ms",
+                                          "TTFT p99 ms", "TPOT p50 ms", "TPOT p90 ms", "TPOT p99 ms",
+                                          "preemptions/min")})  # fmt: skip
+    latency = history[history["series"].str.contains(r" (?:TTFT|TPOT) p99 ms$", regex=True)]
+    tokens = history[history["series"].str.endswith(" tokens out/s")]
+    _side_by_side((latency, "TTFT and TPOT p99 over time (sampled)", "ms"),
+                  (tokens, "Output tokens/s over time (sampled)", "tokens/s"))  # fmt: skip
+    st.markdown(f"**Generative settings in force** (policy v{policy.get('version')})")
+    st.dataframe(pd.DataFrame(generative_settings(policy, [g["model"] for g in generation])), hide_index=True)
 
 
 def _side_by_side(left: tuple[pd.DataFrame, str, str], right: tuple[pd.DataFrame, str, str]) -> None:

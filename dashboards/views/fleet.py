@@ -1,4 +1,5 @@
-"""Fleet: every agent's health, traffic and degradations at a glance, and the SLOs worst first."""
+"""Fleet: every agent's health, traffic and degradations at a glance, and the SLOs (generative ones beside the
+others) worst first with their burn rates."""
 
 from __future__ import annotations
 
@@ -10,7 +11,20 @@ import streamlit as st
 
 from dashboards import charts, session
 from dashboards.api import DashboardApiError, gather
-from dashboards.describe import agent_state, clock, labels_text, number, outcome_mix, percent, ratio_percent, worst_p99
+from dashboards.describe import (
+    agent_state,
+    burn_text,
+    clock,
+    labels_text,
+    number,
+    outcome_mix,
+    percent,
+    ratio_percent,
+    sli_text,
+    tokens_out_per_s,
+    worst_p99,
+    worst_ttft_p99,
+)
 from dashboards.history import sample_log
 
 WINDOWS = ("1m", "5m", "15m", "1h", "6h")
@@ -32,6 +46,9 @@ def _fleet(window: str) -> None:
         ident = agent["id"]
         calls[f"m:{ident}"] = lambda ident=ident: api.agent_metrics(ident, window)
         calls[f"p:{ident}"] = lambda ident=ident: api.policy(ident)
+    for state in status["slo_states"]:
+        calls[f"s:{state['slo']}"] = lambda ident=state["slo"]: api.get(f"/slos/{ident}/status")
+    calls["slos"] = lambda: api.list_all("slos")  # their kinds and thresholds
     found = gather(calls)
 
     counts, live = status["agents"], status["live"]
@@ -64,6 +81,8 @@ def _fleet(window: str) -> None:
             "labels": labels_text(agent.get("labels")),
             "requests/s": None if metrics is None else metrics["rps"],
             "p99 ms (slowest group)": None if metrics is None else worst_p99(metrics),
+            "TTFT p99 ms": worst_ttft_p99(metrics),
+            "tokens out/s": tokens_out_per_s(metrics),
             "outcomes": "-" if metrics is None else outcome_mix(metrics["outcomes"]),
             "degradations": ", ".join(f"{c['name']} -> {c['action']} ({c.get('model', '*')})" for c in causes) or "-",
             "policy v": None if policy is None else policy.get("version"),
@@ -79,6 +98,8 @@ def _fleet(window: str) -> None:
             "page": st.column_config.LinkColumn("device page", display_text="open"),
             "requests/s": st.column_config.NumberColumn(format="%.2f"),
             "p99 ms (slowest group)": st.column_config.NumberColumn(format="%.1f"),
+            "TTFT p99 ms": st.column_config.NumberColumn(format="%.1f"),
+            "tokens out/s": st.column_config.NumberColumn(format="%.1f"),
         },
     )
 
@@ -107,9 +128,17 @@ def _fleet(window: str) -> None:
         st.dataframe(pd.DataFrame(traffic), hide_index=True)
 
     st.subheader("SLOs, least budget left first")
-    states = [{"SLO": s["name"], "objective": percent(s["objective"], 2), "SLI": ratio_percent(s["sli"]),
-               "budget left": "-" if s["budget_remaining"] is None else f"{s['budget_remaining']:.1%}",
-               "firing": ", ".join(s["firing"]) or "-"} for s in status["slo_states"]]  # fmt: skip
+    specs = {} if isinstance(found["slos"], DashboardApiError) else {s["id"]: s for s in found["slos"]}
+    states = []
+    for s in status["slo_states"]:
+        spec, evaluated = specs.get(s["slo"]), found[f"s:{s['slo']}"]
+        alerts = [] if isinstance(evaluated, DashboardApiError) else evaluated.get("alerts") or []
+        states.append({
+            "SLO": s["name"], "SLI kind": sli_text(spec) if spec else "-", "objective": percent(s["objective"], 2),
+            "SLI": ratio_percent(s["sli"]),
+            "budget left": "-" if s["budget_remaining"] is None else f"{s['budget_remaining']:.1%}",
+            "burn rate (closest pair)": burn_text(alerts), "firing": ", ".join(s["firing"]) or "-",
+        })  # fmt: skip
     if states:
         st.dataframe(pd.DataFrame(states), hide_index=True)
     else:

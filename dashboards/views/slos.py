@@ -10,7 +10,7 @@ import streamlit as st
 
 from dashboards import charts, forms, session
 from dashboards.api import DashboardApiError, gather
-from dashboards.describe import clock, number, percent, ratio_percent, selector_text
+from dashboards.describe import clock, number, percent, ratio_percent, selector_text, sli_text
 from dashboards.editor import Crud, crud
 from dashboards.history import sample_log
 
@@ -42,8 +42,7 @@ def _overview() -> None:
         fresh = not isinstance(status, DashboardApiError)
         alerts = status["alerts"] if fresh else []
         rows.append({
-            "SLO": slo["name"], "SLI kind": slo["sli_kind"] + (f" ≤ {number(slo['threshold_ms'])} ms"
-                                                              if slo["sli_kind"] == "latency" else ""),
+            "SLO": slo["name"], "SLI kind": sli_text(slo),
             "objective": percent(slo["objective"], 2), "SLI": ratio_percent(status["sli"]) if fresh else "-",
             "budget left": "-" if not fresh or status["budget_remaining"] is None
             else f"{status['budget_remaining']:.1%}",

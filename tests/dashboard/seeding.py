@@ -1,5 +1,6 @@
 """A seeded control plane for the dashboard tests: the example fleet through the REST API, one extra rule that
-fires at once, and a minute of telemetry from both agents through the real OTLP endpoint (`POST /v1/metrics`,
+fires at once, a generative agent (`tiny-lm`) with a TTFT SLO, a rule that caps max_tokens on a full KV cache and an
+`openai` backend, and a minute of telemetry from every agent through the real OTLP endpoint (`POST /v1/metrics`,
 with each agent's token), so the pages have names and numbers to show."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from controlplane.app import create_app
 from controlplane.settings import Settings
+from spillway.contract import names
 from tests.conftest import make_keys
 from tests.utils.server import serving
 
@@ -49,6 +51,48 @@ FIRING_RULE = {
     "action": {"kind": "shed", "priority_at_or_below": 3, "retry_after_s": 7},
     "hysteresis": {"for": "0s", "recover_after": "10m"},
 }
+
+# A Jetson that serves a small chat model: the OTel GenAI metrics, its KV cache filling up, a TTFT SLO on it, a
+# rule that caps max_tokens when the KV cache is 70 % full (96 of 128 blocks are held: it fires at once), and a cloud
+# that speaks the OpenAI API to overflow its streams to.
+GENERATIVE_AGENT = {"name": "orin-chat-01", "device_class": "jetson", "labels": {"site": "munich", "tier": "edge"}}
+GENERATIVE_MODEL = "tiny-lm"
+TTFT_SLO = {
+    "name": "tiny-lm-ttft",
+    "description": "99 % of tiny-lm streams get their first token within 500 ms",
+    "selector": {"model": GENERATIVE_MODEL},
+    "sli_kind": "ttft",
+    "threshold_ms": 500,
+    "objective": 99,
+    "window": "28d",
+}
+CAP_RULE = {
+    "name": "cap-tokens-on-full-kv",
+    "description": "a nearly full KV cache first shortens the answers",
+    "selector": {"labels": {"site": "munich"}, "model": GENERATIVE_MODEL},
+    "condition": {"kind": "gauge", "metric": "kv_cache_use_ratio", "op": ">", "threshold": 0.7},
+    "action": {"kind": "cap_max_tokens", "max_tokens": 128},
+    "hysteresis": {"for": "0s", "recover_after": "10m"},
+}
+OPENAI_BACKEND = {
+    "name": "cloud-vllm-eu",
+    "protocol": "openai",
+    "url": "http://127.0.0.1:8501",
+    "models": [GENERATIVE_MODEL],
+    "model_map": {GENERATIVE_MODEL: "Qwen2.5-7B-Instruct"},
+    "max_concurrency": 32,
+    "timeout_ms": 30000,
+}
+# The generative agent's 30 s: streams per (priority, outcome) (local and overflowed ones have tokens), and the GenAI
+# histograms of the 390 streams with tokens: seconds (or tokens) -> count, on the semantic conventions' buckets.
+STREAMS: dict[tuple[int, str], int] = {(1, "local"): 200, (3, "local"): 150, (3, "overflow"): 40, (3, "rejected"): 10}
+GENAI: dict[str, tuple[tuple[float, ...], dict[float, int]]] = {
+    names.GENAI_TTFT: (names.GENAI_TTFT_BUCKETS, {0.04: 100, 0.1: 150, 0.25: 100, 0.5: 30, 1.0: 10}),
+    names.GENAI_TPOT: (names.GENAI_TPOT_BUCKETS, {0.025: 200, 0.05: 150, 0.1: 40}),
+    names.GENAI_REQUEST_DURATION: (names.GENAI_DURATION_BUCKETS, {0.64: 100, 1.28: 200, 2.56: 90}),
+}
+TOKENS = {"input": (64, 40), "output": (64, 64)}  # per stream: (its bucket's bound, tokens): 15600 in, 24960 out
+PREEMPTED = 12
 
 # What each agent reports, per (priority, outcome): request count and its latency histogram (ms -> count).
 TRAFFIC: dict[str, dict[tuple[int, str], tuple[int, dict[float, int]]]] = {
@@ -76,6 +120,13 @@ GAUGES: dict[str, list[tuple[str, float, dict[str, Any]]]] = {
         ("hw.gpu.memory.usage", 3 * GIB, {"hw.id": "gpu0", "hw.type": "gpu"}),
         ("hw.gpu.memory.limit", 24 * GIB, {"hw.id": "gpu0", "hw.type": "gpu"}),
         ("hw.temperature", 58.0, {"hw.id": "gpu0", "hw.type": "gpu"}),
+    ],
+    "orin-chat-01": [
+        (names.KV_BLOCKS_USED, 96, {"model": GENERATIVE_MODEL}),
+        (names.KV_BLOCKS_TOTAL, 128, {"model": GENERATIVE_MODEL}),
+        (names.ACTIVE_STREAMS, 6, {"model": GENERATIVE_MODEL}),
+        ("hw.gpu.memory.usage", 6 * GIB, {"hw.id": "gpu0", "hw.type": "gpu"}),
+        ("hw.gpu.memory.limit", 8 * GIB, {"hw.id": "gpu0", "hw.type": "gpu"}),
     ],
 }
 
@@ -126,13 +177,46 @@ def _histogram(name: str, unit: str, points: list[tuple[dict[str, Any], list[flo
     ))  # fmt: skip
 
 
+def _counts(bounds: tuple[float, ...], by_bound: dict[float, int]) -> list[int]:
+    counts = [0] * (len(bounds) + 1)
+    for bound, n in by_bound.items():
+        counts[bounds.index(bound)] += n
+    return counts
+
+
+def generative_metrics(counters: list[NumberDataPoint], start: int, now: int) -> list[Metric]:
+    """The generative agent's 30 s as its GenerationRecorder reports it: `spillway.requests` per outcome (added to
+    `counters`), the GenAI histograms by `gen_ai.request.model`, token usage by type, and preemptions."""
+    model = {"gen_ai.request.model": GENERATIVE_MODEL, "gen_ai.operation.name": "chat"}
+    for (priority, outcome), n in STREAMS.items():
+        attrs = {"model": GENERATIVE_MODEL, "model.version": "1", "priority": priority, "outcome": outcome}
+        counters.append(NumberDataPoint(attributes=_attributes(attrs), start_time_unix_nano=start,
+                                        time_unix_nano=now, as_double=float(n)))  # fmt: skip
+    metrics = []
+    for metric, (bounds, by_bound) in GENAI.items():
+        total = sum(bound * 0.8 * n for bound, n in by_bound.items())
+        metrics.append(_histogram(metric, "s", [(model, list(bounds), _counts(bounds, by_bound), total)], start, now))
+    streams = sum(GENAI[names.GENAI_TTFT][1].values())
+    usage = []
+    for kind, (bound, per_stream) in TOKENS.items():
+        bounds = tuple(float(b) for b in names.GENAI_TOKEN_BUCKETS)
+        counts = _counts(bounds, {float(bound): streams})
+        usage.append(({**model, "gen_ai.token.type": kind}, list(bounds), counts, float(per_stream * streams)))
+    metrics.append(_histogram(names.GENAI_TOKEN_USAGE, "{token}", usage, start, now))
+    metrics.append(Metric(name=names.PREEMPTIONS, unit="{sequence}", sum=Sum(
+        aggregation_temporality=AggregationTemporality.AGGREGATION_TEMPORALITY_DELTA, is_monotonic=True,
+        data_points=[NumberDataPoint(attributes=_attributes({"model": GENERATIVE_MODEL}), start_time_unix_nano=start,
+                                     time_unix_nano=now, as_double=float(PREEMPTED))])))  # fmt: skip
+    return metrics
+
+
 def export_body(agent_id: str, name: str, *, traffic: bool = True) -> bytes:
     """One OTLP export (delta temporality: what happened in the last 30 s) of the agent's seeded traffic and
     gauges; `traffic=False`: the gauges alone (a later export of an idle agent: counts stay as they were)."""
     now = time.time_ns()
     start = now - 30 * 10**9
     durations, queued, computed, counters, batches = [], [], [], [], []
-    for (priority, outcome), (n, by_ms) in TRAFFIC[name].items():
+    for (priority, outcome), (n, by_ms) in TRAFFIC.get(name, {}).items():
         attrs = {"model": "mlp", "model.version": "1", "priority": priority, "outcome": outcome}
         counts = [0] * (len(LATENCY_BOUNDS_S) + 1)
         total = 0.0
@@ -145,17 +229,22 @@ def export_body(agent_id: str, name: str, *, traffic: bool = True) -> bytes:
             computed.append((attrs, LATENCY_BOUNDS_S, counts, total * 0.5))
         counters.append(NumberDataPoint(attributes=_attributes(attrs), start_time_unix_nano=start,
                                         time_unix_nano=now, as_double=float(n)))  # fmt: skip
-    batch_counts = [0, 10, 20, 60, 30, 0, 0, 0, 0, 0]
-    batches.append(({"model": "mlp", "model.version": "1"}, [float(b) for b in BATCH_BOUNDS], batch_counts, 900.0))
-    metrics = [
-        _histogram("spillway.request.duration", "s", durations, start, now),
-        _histogram("spillway.queue.duration", "s", queued, start, now),
-        _histogram("spillway.compute.duration", "s", computed, start, now),
-        _histogram("spillway.batch.size", "{row}", batches, start, now),
-        Metric(name="spillway.requests", unit="{request}", sum=Sum(
+    metrics: list[Metric] = []
+    if traffic and name == GENERATIVE_AGENT["name"]:
+        metrics += generative_metrics(counters, start, now)
+    elif traffic:
+        batch_counts = [0, 10, 20, 60, 30, 0, 0, 0, 0, 0]
+        batches.append(({"model": "mlp", "model.version": "1"}, [float(b) for b in BATCH_BOUNDS], batch_counts, 900.0))
+        metrics += [
+            _histogram("spillway.request.duration", "s", durations, start, now),
+            _histogram("spillway.queue.duration", "s", queued, start, now),
+            _histogram("spillway.compute.duration", "s", computed, start, now),
+            _histogram("spillway.batch.size", "{row}", batches, start, now),
+        ]
+    if traffic:
+        metrics.append(Metric(name="spillway.requests", unit="{request}", sum=Sum(
             aggregation_temporality=AggregationTemporality.AGGREGATION_TEMPORALITY_DELTA, is_monotonic=True,
-            data_points=counters)),
-    ] if traffic else []  # fmt: skip
+            data_points=counters)))  # fmt: skip
     for metric, value, attrs in GAUGES[name]:
         metrics.append(Metric(name=metric, gauge=Gauge(data_points=[
             NumberDataPoint(attributes=_attributes(attrs), time_unix_nano=now, as_double=float(value))])))  # fmt: skip
@@ -169,7 +258,10 @@ def export_body(agent_id: str, name: str, *, traffic: bool = True) -> bytes:
 def seed(url: str, keys: dict[str, str]) -> SeededPlane:
     """The example fleet and the firing rule through the REST API, then one export from each agent."""
     fleet = yaml.safe_load(EXAMPLE_FLEET.read_text())
-    fleet["rules"].append(FIRING_RULE)
+    fleet["agents"].append(GENERATIVE_AGENT)
+    fleet["slos"].append(TTFT_SLO)
+    fleet["rules"] += [FIRING_RULE, CAP_RULE]
+    fleet["backends"].append(OPENAI_BACKEND)
     made: dict[str, dict[str, str]] = {"agents": {}, "slos": {}, "rules": {}, "backends": {}}
     tokens: dict[str, str] = {}
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {keys['admin']}"}, timeout=10) as client:
@@ -207,8 +299,9 @@ def seeded_plane(db_url: str) -> Iterator[SeededPlane]:
     settings = Settings(database_url=db_url, control_loop_interval_s=1, evaluation_interval_s=0, stale_after_s=3600)
     with serving(create_app(settings)) as url:
         plane = seed(url, keys)
-        berlin = plane.agents["jetson-berlin-01"]
+        berlin, orin = plane.agents["jetson-berlin-01"], plane.agents[GENERATIVE_AGENT["name"]]
         wait_for(lambda: plane.get(f"/agents/{berlin}/policy")["causes"], "the firing rule to reach the policy")
+        wait_for(lambda: plane.get(f"/agents/{orin}/policy")["causes"], "the max_tokens cap to reach the policy")
         stop = threading.Event()
 
         def keep_reporting() -> None:

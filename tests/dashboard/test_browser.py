@@ -1,7 +1,9 @@
 """The dashboard in a real browser: Debian's Chromium driven by Playwright (never a downloaded browser), against a
 real `spillway dashboard` process and a real, seeded control plane. Every page loads without an exception box and
-shows the seeded names and numbers; an SLO edit round-trips through the API; each page leaves a screenshot in
-tests/artifacts/dashboard/ (with SPILLWAY_UPDATE_SCREENSHOTS=1, also the README's docs/screenshots/)."""
+shows the seeded names and numbers (a generative agent's streams on its device page, an `openai` backend on the
+backends page); an SLO edit and a generative rule (a TTFT condition capping max_tokens) round-trip through the API;
+each page leaves a screenshot in tests/artifacts/dashboard/ (with SPILLWAY_UPDATE_SCREENSHOTS=1, also the README's
+docs/screenshots/)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from dashboards.launch import wait_ready
 from tests.dashboard.seeding import SeededPlane
@@ -130,18 +133,59 @@ def shoot(page: Any, name: str) -> None:
 
 
 def test_every_page_loads_and_shows_the_seeded_fleet(browser: Any, dashboard: str, fleet: SeededPlane) -> None:
-    berlin = fleet.agents["jetson-berlin-01"]
+    berlin, orin = fleet.agents["jetson-berlin-01"], fleet.agents["orin-chat-01"]
     expected = {
-        "fleet": ("", ["jetson-berlin-01", "desktop-gpu-lab", "degraded", "mlp-latency", "2 / 2", "185"]),
+        "fleet": (
+            "",
+            [
+                "jetson-berlin-01",
+                "desktop-gpu-lab",
+                "degraded",
+                "mlp-latency",
+                "3 / 3",
+                "185",
+                "orin-chat-01",
+                "ttft ≤ 500 ms",
+            ],
+        ),
         "device": (f"device?agent={berlin}", ["degraded", "945", "80 / 80", "5.25 GiB", "shed-on-deep-queue", "185"]),
+        "device-generative": (
+            f"device?agent={orin}",
+            [
+                "Generation",
+                "Tokens out/s (5m)",
+                "KV-cache use (fullest)",
+                "75%",
+                "tiny-lm",
+                "as configured",
+                "Generative settings in force",
+                "cap-tokens-on-full-kv",
+            ],
+        ),
         "slos": ("slos", ["mlp-latency", "mlp-availability", "56m/5m", "14.4", "FIRING"]),
         "rules": (
             "rules",
-            ["shed-on-deep-queue", "lite-on-fast-burn", "dry run", "overflow to the cloud", "shed low priorities"],
+            [
+                "shed-on-deep-queue",
+                "lite-on-fast-burn",
+                "dry run",
+                "overflow to the cloud",
+                "shed low priorities",
+                "cap max_tokens at 128",
+                "kv_cache_use_ratio above 0.7",
+            ],
         ),
         "backends": (
             "backends",
-            ["cloud-triton-eu", "http://127.0.0.1:8500", "Live state in the gateway", "requests in flight"],
+            [
+                "cloud-triton-eu",
+                "http://127.0.0.1:8500",
+                "Live state in the gateway",
+                "requests in flight",
+                "cloud-vllm-eu",
+                "openai",
+                "tiny-lm=Qwen2.5-7B-Instruct",
+            ],
         ),
         "events": ("events", ["rule.fired", "policy.published", "slo.created"]),
     }
@@ -188,3 +232,56 @@ def test_an_slo_edit_round_trips_through_the_api(browser: Any, dashboard: str, f
         assert page.locator("[data-testid=stException]").count() == 0
     finally:
         context.close()
+
+
+def choose(page: Any, scope: Any, label: str, option: str) -> None:
+    """Pick `option` in the selectbox labelled `label` (its list opens in a popover outside `scope`). A click while
+    the page is still redrawing may not open the list: click again, a few times at most."""
+    box = scope.get_by_role("combobox", name=label, exact=True)
+    item = page.get_by_role("option", name=option, exact=True)
+    for _ in range(3):
+        box.click()
+        try:
+            item.wait_for(timeout=3_000)
+            break
+        except PlaywrightTimeout:
+            page.keyboard.press("Escape")
+    item.click()
+    page.wait_for_function(f"() => [...document.querySelectorAll('[role=combobox]')].some(b => b.value === {option!r})",
+                           timeout=PAGE_TIMEOUT_MS)  # fmt: skip
+
+
+def test_a_generative_rule_is_created_through_the_form(browser: Any, dashboard: str, fleet: SeededPlane) -> None:
+    """The rules form in the browser: a TTFT condition that caps max_tokens (in dry run: the seeded policies stay)."""
+    context = browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    ident = None
+    try:
+        page.goto(f"{dashboard}/rules")
+        settle(page)
+        page.get_by_role("tab", name="Create a rule").click()
+        panel = page.get_by_role("tabpanel", name="Create a rule")
+        choose(page, panel, "Condition", "latency")
+        choose(page, panel, "Action", "cap_max_tokens")
+        cap = panel.get_by_role("spinbutton", name="Cap max_tokens at", exact=True)
+        cap.wait_for(timeout=PAGE_TIMEOUT_MS)  # the form redrawn for the kinds chosen
+        panel.get_by_role("textbox", name="Name", exact=True).fill("cap-on-slow-first-token")
+        panel.get_by_role("textbox", name="Selector model", exact=True).fill("tiny-lm")
+        choose(page, panel, "Of", "time to first token")
+        panel.get_by_role("spinbutton", name="Threshold (ms)", exact=True).fill("500")
+        cap.fill("64")
+        panel.get_by_text("Dry run (record what it would do").click()
+        panel.get_by_role("button", name="Create rule").click()
+        page.get_by_text("Rule created.").wait_for(timeout=PAGE_TIMEOUT_MS)
+        created = {r["name"]: r for r in fleet.get("/rules")["items"]}["cap-on-slow-first-token"]
+        ident = created["id"]
+        assert created["condition"]["metric"] == "ttft" and created["condition"]["threshold_ms"] == 500
+        assert created["action"] == {"kind": "cap_max_tokens", "max_tokens": 64} and created["dry_run"] is True
+        settle(page)
+        assert missing(page, ["cap-on-slow-first-token"]) == []  # the rules table, read back from the API
+        assert page.locator("[data-testid=stException]").count() == 0
+    finally:
+        context.close()
+        if ident is not None:
+            with fleet.client("editor") as editor:
+                editor.delete(f"/api/v1/rules/{ident}").raise_for_status()

@@ -1,5 +1,6 @@
-"""The Grafana dashboard queries metrics that exist: the agents' OpenTelemetry instruments under the names an
-OTLP collector gives them in Prometheus, and the control plane's own /metrics as a running one serves them."""
+"""The Grafana dashboard queries metrics that exist: the agents' OpenTelemetry instruments (the V2 models', and the
+generative models' OTel GenAI histograms, KV-cache, preemption and stream gauges) under the names an OTLP collector
+gives them in Prometheus, and the control plane's own /metrics as a running one serves them."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "grafana" / "sp
 # The collector's Prometheus naming (OTel's Prometheus compatibility spec): dots to underscores, a unit suffix,
 # `_total` for counters, `_ratio` for gauges of unit 1, and annotations such as `{request}` dropped.
 UNITS = {"s": "seconds", "By": "bytes", "Cel": "celsius"}
-NAME = re.compile(r"\b((?:spillway|hw|system)_[a-z0-9_]+)\b")
+NAME = re.compile(r"\b((?:spillway|hw|system|gen_ai)_[a-z0-9_]+)\b")
 LABELS = re.compile(r"\{[^}]*\}|\bby \([^)]*\)")  # label matchers and groupings name labels, not metrics
 
 
@@ -47,6 +48,11 @@ def agent_series() -> set[str]:
     telemetry.policy_refusals.add(1)
     telemetry.watch_queue(lambda: [({"model": "mlp", "priority": 1}, 3)])
     telemetry.watch_policy(lambda: (2, "control_plane"))
+    generation = telemetry.generation("tiny-lm")
+    generation.finished(1, "local", operation="chat", prompt_tokens=12, completion_tokens=8, ttft_s=0.05,
+                        duration_s=0.4)  # fmt: skip
+    engine = {"kv_blocks": {"used": 3, "total": 64}, "preemptions": 1, "active": 2}  # the gauges' keys of engine.json()
+    telemetry.watch_engines(lambda: [("tiny-lm", engine)])
     names = set()
     data = reader.get_metrics_data()
     assert data is not None
@@ -85,11 +91,17 @@ def test_every_query_names_a_metric_that_exists(tmp_path: Path) -> None:
     known = agent_series() | control_plane_series(tmp_path)
     assert {"spillway_requests_total", "spillway_request_duration_seconds_bucket", "hw_temperature_celsius",
             "spillway_http_requests_total", "spillway_agents"} <= known  # fmt: skip
+    generative = {"gen_ai_server_time_to_first_token_seconds_bucket", "gen_ai_client_token_usage_sum",
+                  "gen_ai_server_time_per_output_token_seconds_bucket", "spillway_kv_blocks_used",
+                  "spillway_kv_blocks_total",
+                  "spillway_generation_preemptions_total", "spillway_generation_streams_active"}  # fmt: skip
+    assert generative <= known
     exprs = [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])]
     exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
     assert len(exprs) > 20
     used = {name for expr in exprs for name in NAME.findall(LABELS.sub("", expr))}
     assert used - known == set()
+    assert generative <= used  # the generative panels: TTFT, TPOT, tokens/s, KV cache, preemptions, streams
     for expr in exprs:
         assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
 

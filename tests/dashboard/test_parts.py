@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
-from controlplane.schemas.rules import ACTION_LADDER
+from controlplane.schemas.rules import ACTION_LADDER, GaugeMetric
 from controlplane.slo.maths import GOOD_OUTCOMES
 from dashboards.api import ApiError, ApiUnreachable, SpillwayApi, field_errors, gather
 from dashboards.charts import OUTCOME_COLOURS, OUTCOME_LABELS, outcome_bars
@@ -19,14 +19,29 @@ from dashboards.describe import (
     LADDER,
     action_text,
     agent_state,
+    burn_text,
+    condition_text,
     event_numbers,
     event_subject,
+    generation_rows,
+    generative_settings,
     ladder,
     overflow_text,
     rule_now,
+    sli_text,
+    tokens_out_per_s,
     worst_p99,
+    worst_ttft_p99,
 )
-from dashboards.forms import ACTION_KINDS, finish_action, parse_alert_windows, parse_sizes
+from dashboards.forms import (
+    ACTION_KINDS,
+    GAUGE_METRICS,
+    finish_action,
+    model_map_text,
+    parse_alert_windows,
+    parse_model_map,
+    parse_sizes,
+)
 from dashboards.gateway import NOT_LOADED, GatewayView, backend_state, gateway_rows, gateway_summary, gateway_view
 from dashboards.history import SampleLog
 from dashboards.launch import dashboard_env, start_dashboard, streamlit_command, wait_ready
@@ -48,6 +63,11 @@ def test_field_errors_drop_the_body_prefix_and_join_messages_per_field() -> None
         "objective": "Input should be less than 100", "window": "'x' is not a duration; too long", "name": "taken"
     }  # fmt: skip
     assert field_errors({"current_etag": '"a-1"'}) == {}  # a 412's details are not per field
+    # A check across the body's fields names its field first: it goes under that field.
+    across = [{"field": "body", "message": "Value error, model_map: 'coder' is not one of this backend's models"},
+              {"field": "body", "message": "Value error, threshold_ms is required for a ttft SLO"}]  # fmt: skip
+    assert field_errors(across) == {"model_map": "'coder' is not one of this backend's models",
+                                    "body": "threshold_ms is required for a ttft SLO"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -120,8 +140,8 @@ def test_ladder_shows_each_rung_in_force_who_put_it_there_and_who_could() -> Non
         {"name": "batch", "action": {"kind": "tune_batching"}, "selector": {"labels": {}}, "enabled": True},
     ]
     rows = {r["rung"]: r for r in ladder(policy, rules, {"labels": {"site": "b"}})}
-    assert [r["step"] for r in rows.values()] == [1, 2, 3, 4, 5]
-    assert rows["lighter variant"] == {"step": 3, "rung": "lighter variant", "in force": "yes",
+    assert [r["step"] for r in rows.values()] == [1, 2, 3, 4, 5, 6, 7]
+    assert rows["lighter variant"] == {"step": 5, "rung": "lighter variant", "in force": "yes",
                                             "now": "mlp: variant 2", "by rules": "lite",
                                             "rules that can take it": "lite"}  # fmt: skip
     assert rows["shed low priorities"]["now"] == "mlp: priority ≥ 3 refused"
@@ -132,6 +152,66 @@ def test_ladder_shows_each_rung_in_force_who_put_it_there_and_who_could() -> Non
 def test_the_ladder_and_the_action_kinds_follow_the_control_planes_ladder() -> None:
     assert tuple(rung for rung, _ in LADDER) == ACTION_LADDER
     assert ACTION_KINDS == ACTION_LADDER
+    assert set(GAUGE_METRICS) == set(get_args(GaugeMetric))  # the form offers every gauge the API takes
+
+
+def test_generative_conditions_actions_and_policy_in_words() -> None:
+    ttft = {"kind": "latency", "metric": "ttft", "quantile": 0.99, "threshold_ms": 500, "window": "5m"}
+    assert condition_text(ttft) == "p99 time to first token > 500 ms over 5m"
+    assert condition_text({**ttft, "metric": "tpot", "quantile": 0.9}) == "p90 time per output token > 500 ms over 5m"
+    assert condition_text({k: v for k, v in ttft.items() if k != "metric"}) == "p99 latency > 500 ms over 5m"
+    kv = {"kind": "gauge", "metric": "kv_cache_use_ratio", "op": ">", "threshold": 0.9}
+    assert condition_text(kv) == "kv_cache_use_ratio above 0.9"
+    assert action_text({"kind": "cap_max_tokens", "max_tokens": 128}) == "cap max_tokens at 128"
+    limit = {"kind": "limit_generation", "max_num_seqs": 4, "max_num_batched_tokens": 512}
+    assert action_text(limit) == "limit generation: max_num_seqs 4, token budget 512"
+    fallback = {"kind": "fallback", "mode": "default", "default_text": "Busy.", "priority_at_or_below": 3}
+    assert action_text(fallback) == "default fallback (default text) for priority 3 and lower"
+    policy = {
+        "models": {"*": {"max_num_seqs": 8}, "tiny-lm": {"max_tokens_cap": 64, "variant": 2}},
+        "causes": [{"name": "cap", "action": "cap_max_tokens"}, {"name": "seqs", "action": "limit_generation"}],
+    }
+    rows = {r["rung"]: r for r in ladder(policy, [], {"labels": {}})}
+    assert rows["cap max_tokens"]["now"] == "tiny-lm: max_tokens ≤ 64" and rows["cap max_tokens"]["by rules"] == "cap"
+    assert rows["limit generation"]["now"] == "*: max_num_seqs 8"
+    settings = generative_settings(policy, ["tiny-lm", "coder"])  # a model's entry over `*`, as the agent reads it
+    assert settings == [
+        {"model": "coder", "variant": "as configured", "max_tokens cap": "as configured", "max_num_seqs": "8",
+         "token budget per step": "as configured"},
+        {"model": "tiny-lm", "variant": "2", "max_tokens cap": "64", "max_num_seqs": "8",
+         "token budget per step": "as configured"},
+    ]  # fmt: skip
+    assert generative_settings({"models": {"mlp": {"variant": 2}}}, []) == []  # a V2 model's variant is not listed
+
+
+def test_generation_rows_and_the_fleets_generative_figures() -> None:
+    entry = {
+        "model": "tiny-lm", "requests": 40.0, "streams_per_s": 0.5, "tokens_in_per_s": 10.0, "tokens_out_per_s": 30.0,
+        "ttft_ms": {"count": 40, "mean": 90.0, "p50": 80.0, "p90": 200.0, "p99": 450.0},
+        "tpot_ms": {"count": 40, "mean": 20.0, "p50": 18.0, "p90": 30.0, "p99": 48.0},
+        "kv_blocks_used": 48.0, "kv_blocks_total": 64.0, "kv_cache_use": 0.75, "preemptions": 3.0,
+        "preemptions_per_min": 0.6, "active_streams": 5.0, "outcomes": {"local": 30.0, "overflow": 10.0},
+    }  # fmt: skip
+    quiet = {**entry, "model": "coder", "ttft_ms": {"p99": None}, "tokens_out_per_s": 2.0, "kv_cache_use": None}
+    row = generation_rows([entry])[0]
+    assert (row["TTFT p99 ms"], row["TPOT p50 ms"], row["KV-cache use"]) == (450.0, 18.0, "75% (48 / 64 blocks)")
+    assert (row["preemptions/min"], row["active streams"], row["outcomes"]) == (0.6, 5.0, "local 75%, overflow 25%")
+    assert generation_rows([quiet])[0]["KV-cache use"] == "-"
+    metrics = {"generation": [entry, quiet]}
+    assert (worst_ttft_p99(metrics), tokens_out_per_s(metrics)) == (450.0, 32.0)
+    assert worst_ttft_p99({"traffic": []}) is None and tokens_out_per_s(None) is None  # no generative model
+
+
+def test_slo_kinds_and_burn_rates_in_words() -> None:
+    assert sli_text({"sli_kind": "ttft", "threshold_ms": 500.0}) == "ttft ≤ 500 ms"
+    assert sli_text({"sli_kind": "latency", "threshold_ms": 50}) == "latency ≤ 50 ms"
+    assert sli_text({"sli_kind": "availability", "threshold_ms": None}) == "availability"
+    alerts = [
+        {"long": "1h", "short": "5m", "threshold": 14.4, "long_burn_rate": 20.0, "short_burn_rate": 1.0},
+        {"long": "6h", "short": "30m", "threshold": 6.0, "long_burn_rate": 7.5, "short_burn_rate": 9.0},
+    ]
+    assert burn_text(alerts) == "7.5x / 9x over 6h/30m (fires at 6x)"  # both windows over: the pair that fires
+    assert burn_text([]) == "-"
 
 
 def test_overflow_in_words_for_each_mode_and_in_a_policy() -> None:
@@ -149,7 +229,7 @@ def test_overflow_in_words_for_each_mode_and_in_a_policy() -> None:
               "causes": [{"name": "spill", "action": "overflow"}]}  # fmt: skip
     rules = [{"name": "spill", "action": {"kind": "overflow", "mode": "fraction", "fraction": 0.5}, "selector": {}}]
     rung = {r["rung"]: r for r in ladder(policy, rules, {"labels": {}})}["overflow to the cloud"]
-    assert rung == {"step": 2, "rung": "overflow to the cloud", "in force": "yes",
+    assert rung == {"step": 4, "rung": "overflow to the cloud", "in force": "yes",
                     "now": "mlp: deadline misses and 50 % of the rest overflow", "by rules": "spill",
                     "rules that can take it": "spill"}  # fmt: skip
 
@@ -195,14 +275,16 @@ def test_gateway_state_per_backend_from_a_status_section() -> None:
                "loaded_at": "2026-11-30T11:59:58Z", "backends": [GATEWAY_BACKEND]}  # fmt: skip
     view = gateway_view({"gateway": section})
     assert view is not None
-    configured = [{"id": "b1", "name": "cloud-eu"}, {"id": "b2", "name": "cloud-new"}]
+    configured = [{"id": "b1", "name": "cloud-eu"}, {"id": "b2", "name": "cloud-new", "protocol": "openai"}]
     rows = {r["backend"]: r for r in gateway_rows(view, configured, NOW)}
     assert rows["cloud-eu"] == {
-        "backend": "cloud-eu", "state": "ejected until 2026-11-30 12:00:25 (25 s left); unhealthy (resnet)",
+        "backend": "cloud-eu", "protocol": "v2",
+        "state": "ejected until 2026-11-30 12:00:25 (25 s left); unhealthy (resnet)",
         "in flight / cap": "3 / 64", "requests": 200, "errors": 9, "error rate": "4.5%", "p50 ms": 12.5,
         "p99 ms": 80.0, "ejection multiplier": 2, "last error": "503 from backend",
     }  # fmt: skip
-    assert rows["cloud-new"] == {"backend": "cloud-new", "state": NOT_LOADED}  # added since the gateway's last load
+    # Added since the gateway's last load: an openai backend (its readiness: GET /v1/models) not checked yet.
+    assert rows["cloud-new"] == {"backend": "cloud-new", "protocol": "openai", "state": NOT_LOADED}
     assert gateway_summary(view).startswith(
         "Gateway: 4 requests in flight, 1 retries in flight of 3 allowed, backends loaded 2026-11-30 11:59:58 UTC."
     )
@@ -244,6 +326,20 @@ def test_event_numbers_give_the_numbers_behind_each_event() -> None:
     assert event_numbers(unhealthy) == "failures=2, models=mlp,resnet"
     assert event_subject(unhealthy) == "cloud-eu"
     assert event_subject({"kind": "backend.created", "data": {"name": "cloud-us"}}) == "cloud-us"
+
+
+def test_a_fallbacks_default_text_and_a_backends_model_map_from_the_form() -> None:
+    drawn = {"kind": "fallback", "mode": "default", "priority_at_or_below": 3, "default_outputs": ""}
+    assert finish_action({**drawn, "default_text": "Busy, try later."})["default_text"] == "Busy, try later."
+    assert finish_action({**drawn, "default_text": "  "})["default_text"] is None  # empty: not sent as text
+    assert parse_model_map("tiny-lm=Qwen2.5-7B-Instruct, coder = qwen-coder") == {
+        "tiny-lm": "Qwen2.5-7B-Instruct", "coder": "qwen-coder"}  # fmt: skip
+    assert parse_model_map(" ") == {}
+    assert model_map_text({"tiny-lm": "Qwen2.5-7B-Instruct"}) == "tiny-lm=Qwen2.5-7B-Instruct"
+    for bad, words in (("tiny-lm", "is not edge_name=cloud_name"), ("a=b, a=c", "'a' is mapped twice")):
+        with pytest.raises(LocalFieldErrors) as refused:
+            parse_model_map(bad)
+        assert list(refused.value.fields) == ["model_map"] and words in refused.value.fields["model_map"]
 
 
 def test_form_parsing_reports_mistakes_per_field() -> None:
