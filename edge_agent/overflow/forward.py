@@ -6,6 +6,9 @@ request's remaining deadline less a margin (`Spillway-Timeout-Us`), and the atte
 and a grace for an answer on its way back (LATE_GRACE_S). Any
 answer but a 200 is a failure the caller turns into its local fallback; so is an open breaker or a full cap,
 without a network round trip. aiohttp is imported when the first request overflows.
+
+Generative answers go through the same client, breaker and cap as streams (`open_stream`, stream.py): the deadline
+is the first byte's, and between chunks the stream may stay silent at most `idle_s`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.overflow.breaker import BreakerConfig, CircuitBreaker
+from edge_agent.overflow.stream import ForwardedStream
 
 if TYPE_CHECKING:
     import aiohttp
@@ -140,6 +144,83 @@ class Forwarder:
         finally:
             self.in_flight -= 1
 
+    async def open_stream(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        first_byte_s: float | None,
+        *,
+        idle_s: float | None = None,
+    ) -> ForwardedStream | NotForwarded:
+        """Send `body` to `path` on the gateway and wait for the first bytes of its answer's body within
+        `first_byte_s` (None: the default timeout); then the caller reads the rest (`ForwardedStream.rest`) and
+        ends it with `finish`. Between chunks the stream may be silent `idle_s` (None: the default timeout)."""
+        if self.in_flight >= self.max_in_flight:
+            return self._fail("overflow_busy", f"{self.in_flight} requests are already overflowing (the cap)")
+        budget = self.default_timeout_s if first_byte_s is None else first_byte_s
+        if budget <= 0.001:
+            return self._fail("deadline_passed", "no time is left of the request's deadline to overflow it")
+        if not self.breaker.allow():
+            return self._fail("breaker_open", "the overflow breaker is open: the gateway failed or was slow lately",
+                              retry_after_s=max(1.0, self.breaker.config.open_s))  # fmt: skip
+        import aiohttp
+
+        margin = min(MARGIN_S, budget * MARGIN_SHARE)
+        sent = {**headers, "authorization": self._auth, "spillway-timeout-us": str(int((budget - margin) * 1e6))}
+        idle = self.default_timeout_s if idle_s is None else idle_s
+        self.in_flight += 1
+        self.sent += 1
+        started = self._clock()
+        response: aiohttp.ClientResponse | None = None
+        handed_over = False
+
+        def done() -> None:
+            self.in_flight -= 1
+
+        try:
+            response = await asyncio.wait_for(
+                self._session_now().post(self.gateway + path, data=body, headers=sent,
+                                         timeout=aiohttp.ClientTimeout(total=None, sock_read=idle)),
+                budget + LATE_GRACE_S,
+            )  # fmt: skip
+            if response.status != 200:
+                payload = await asyncio.wait_for(response.read(), max(budget + LATE_GRACE_S - (self._clock() - started),
+                                                                      LATE_GRACE_S))  # fmt: skip
+                elapsed = self._clock() - started
+                code = response.headers.get("spillway-reason") or _error_code(payload) or str(response.status)
+                if code in BUSY:
+                    self.breaker.release()
+                else:
+                    self.breaker.record(False, elapsed)
+                retry = _retry_after(response.headers.get("retry-after"))
+                return self._fail(f"gateway_{code}", f"the gateway answered {response.status}: {_brief(payload)}",
+                                  retry_after_s=retry)  # fmt: skip
+            left = budget + LATE_GRACE_S - (self._clock() - started)
+            first = await asyncio.wait_for(response.content.readany(), max(left, 0.001))
+            if not first:
+                self.breaker.record(False, self._clock() - started)
+                return self._fail("gateway_empty", "the gateway's answer ended before its first byte")
+            kept = {k: response.headers[k] for k in _PASSED_ON if k in response.headers}
+            handed_over = True
+            self.answered += 1
+            return ForwardedStream(response.status, kept, first, self._clock() - started, response, self.breaker, done)
+        except asyncio.TimeoutError:
+            self.breaker.record(False, self._clock() - started)
+            waited_ms = (budget + LATE_GRACE_S) * 1e3
+            return self._fail("gateway_timeout", f"the gateway sent no byte within {waited_ms:.0f} ms")
+        except aiohttp.ClientError as exc:
+            self.breaker.record(False, self._clock() - started)
+            return self._fail("gateway_unreachable", f"the gateway could not be reached: {exc}")
+        except asyncio.CancelledError:
+            self.breaker.release()
+            raise
+        finally:
+            if not handed_over:
+                if response is not None:
+                    response.close()
+                done()
+
     def _fail(self, reason: str, message: str, retry_after_s: float = 1.0) -> NotForwarded:
         self.failed[reason] = self.failed.get(reason, 0) + 1
         return NotForwarded(reason, message, retry_after_s)
@@ -172,6 +253,8 @@ def _error_code(payload: bytes) -> str | None:
         return None
     for key in ("reason", "error"):
         code = body.get(key)
+        if key == "error" and isinstance(code, dict):  # OpenAI's shape: {"error": {"message", "type", "code"}}
+            code = code.get("code")
         if isinstance(code, str) and code.isidentifier() and len(code) <= 64:
             return code
     return None

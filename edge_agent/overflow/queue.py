@@ -12,6 +12,10 @@ failure, a requeue) stays `running` on disk while this process remembers how it 
 that first, claiming nothing new, once the disk takes writes again. A run whose answer could not be stored counts as
 a failed attempt and is run again (failed after `max_attempts`). Each kind of write (accepting jobs, updating them)
 logs one line when it starts failing and one when it works again, however many requests came between.
+
+Jobs of models the registry does not hold (the generative ones) run through a `JobRunner` that their API registers
+in `runners`: it says when the model has room, and starts a job's stored request (for a generative model, the
+completion's JSON is the job's answer).
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from edge_agent.failures import FailureStreak, cancelled
 from edge_agent.overflow.jobs import Job, JobNotRunning, JobStore, StoreUnavailable
@@ -36,6 +40,23 @@ log = logging.getLogger("spillway.agent.jobs")
 EXPIRE_EVERY_S = 10.0
 STORAGE_RETRY_S = 1.0  # while the store refuses writes, the drain loop tries it again this often
 T = TypeVar("T")
+
+
+class Unservable(Exception):
+    """A job's request cannot be served any more (its model or version is gone, or it no longer fits): it fails."""
+
+
+class JobRunner(Protocol):
+    """Runs the jobs of one model the registry does not hold."""
+
+    def has_room(self) -> bool:
+        """Whether a job may start now without taking the device from live traffic."""
+        ...
+
+    def start(self, job: Job) -> Awaitable[bytes]:
+        """Admit the job's request now (raising Refused to be queued again, Unservable to fail it); the awaitable is
+        its JSON answer, or raises Refused / ExecutionFailed for a run that failed (tried again)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -70,6 +91,7 @@ class AsyncQueue:
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._unsettled: dict[str, _End] = {}  # job id -> how its run ended, which the disk refused to record
+        self.runners: dict[str, JobRunner] = {}  # models the registry does not hold, by name
         self.accepting = FailureStreak(
             log,
             "the async queue cannot store new jobs; the requests it would take are refused: {error} "
@@ -121,6 +143,11 @@ class AsyncQueue:
         """The models a job may run on now."""
         room = []
         for name in self.models:
+            runner = self.runners.get(name)
+            if runner is not None:
+                if runner.has_room():
+                    room.append(name)
+                continue
             try:
                 model, _ = self.registry.route(name, None)
             except Exception:  # noqa: S112 (a model not served any more: its jobs wait, and expire)
@@ -170,8 +197,9 @@ class AsyncQueue:
         """Run a claimed job and record how it ended: done, failed, or queued again. Never raises for the disk: an
         end it cannot record now is recorded by the drain loop once it can, so no job stays `running` for good."""
         try:
-            response = self._admit(job)
-        except _Unservable as exc:
+            runner = self.runners.get(job.model)
+            response = self._admit(job) if runner is None else runner.start(job)
+        except Unservable as exc:
             self.failed += 1
             await self._settle(_End(job.id, str(exc)))
             return
@@ -240,7 +268,7 @@ class AsyncQueue:
             rows = validate_inputs(request.inputs, config.inputs, config.max_batch_size,
                                    allow_non_finite=self.allow_non_finite)  # fmt: skip
         except (TensorError, ValueError, LookupError) as exc:
-            raise _Unservable(f"the request cannot be served any more: {exc}") from None
+            raise Unservable(f"the request cannot be served any more: {exc}") from None
         lowest = len(model.worker.scheduler.config.levels)
         inputs = {i.name: i.array for i in request.inputs}
         served = model.worker.admit(inputs, rows, lowest, None)  # counted once already, when it was accepted
@@ -281,7 +309,3 @@ class AsyncQueue:
                 "ran": self.ran, "failed": self.failed, "unrecorded_ends": len(self._unsettled),
                 "store": {"accepting": self.accepting.json(), "updating": self.updating.json()},
                 "opened": self.store.opened, "counts": counts}  # fmt: skip
-
-
-class _Unservable(Exception):
-    pass
