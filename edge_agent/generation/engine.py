@@ -46,6 +46,9 @@ class GenerationRequest:
     timeout_s: float | None = None  # to the first token
     operation: str = "text_completion"  # gen_ai.operation.name: text_completion or chat
     ignore_eos: bool = False  # generate to max_tokens past EOS (vLLM's extra parameter; benchmarks use it)
+    # False: its outcome is counted elsewhere (an async job, counted `queued_async` when it was accepted); the GenAI
+    # histograms still record its run.
+    counted: bool = True
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,8 @@ class GenerationListener(Protocol):
 
     def step(self, tokens: int) -> None: ...
 
-    def finished(self, priority: int, outcome: str, *, operation: str, prompt_tokens: int, completion_tokens: int,
-                 ttft_s: float | None, duration_s: float) -> None: ...  # fmt: skip
+    def finished(self, priority: int, outcome: str | None, *, operation: str, prompt_tokens: int,
+                 completion_tokens: int, ttft_s: float | None, duration_s: float) -> None: ...  # fmt: skip
 
 
 class GenerationEngine:
@@ -386,7 +389,9 @@ class GenerationEngine:
             if chunk.finish_reason != "cancelled":
                 self.counts["finished"] += 1
             if self.listener is not None:  # one outcome per request: served here, or an error of the model run
-                outcome = names.ERROR if chunk.finish_reason == "error" else names.LOCAL
+                outcome: str | None = names.ERROR if chunk.finish_reason == "error" else names.LOCAL
+                if not job.request.counted:
+                    outcome = None
                 ttft = None if job.first_token_at is None else job.first_token_at - job.arrived
                 self.listener.finished(job.level, outcome, operation=job.request.operation,
                                        prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,

@@ -66,9 +66,10 @@ class EnginePool:
         for engine in self.instances:
             engine.listener = listener
 
-    def submit(self, request: GenerationRequest) -> Stream:
+    def submit(self, request: GenerationRequest, *, count_refusal: bool = True) -> Stream:
         """Admit on the instance that predicts the earliest first token (see GenerationEngine.submit); when its queue
-        is full, on the next one that has room. A refusal is counted once."""
+        is full, on the next one that has room. A refusal is counted once, or not at all with `count_refusal` False
+        (the caller counts one outcome per request, which may still be an overflow or a fallback)."""
         order = self.instances
         if len(order) > 1:
             # A priority no level takes raises ValueError: the first instance refuses it as it would alone.
@@ -79,9 +80,10 @@ class EnginePool:
                 return engine.submit(request, count_refusal=False)
             except Refused as exc:
                 if exc.rejection.reason != "queue_full":
-                    engine.refused(engine.scheduler.resolve_level(request.priority))
+                    if count_refusal:
+                        engine.refused(engine.scheduler.resolve_level(request.priority))
                     raise
-        return order[-1].submit(request)
+        return order[-1].submit(request, count_refusal=count_refusal)
 
     def refused(self, level: int = 0) -> None:
         self.instances[0].refused(level)

@@ -29,14 +29,13 @@ need exact output lengths; the `openai` package sends it through `extra_body`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
 import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.generation.engine import Chunk, FinishReason, GenerationRequest, Stream
@@ -261,11 +260,14 @@ class OpenAIApi:
         one), else answered by the fallback chain."""
         cap_headers: Headers = []
         try:
+            self._engine(name)  # an unknown model is refused before its body is read
+            raw = await read_body(receive, headers.get(b"content-length"), self.max_body_bytes)
+            # Looked up after the body is read, with no await until it is admitted: a variant switch meanwhile has
+            # swapped the pool, and the old one drains (it would refuse the request).
             engine = self._engine(name)
             if version and version != engine.version:
                 raise ApiError(404, f"model {name!r} serves version {engine.version}, not {version}", "model",
                                "model_not_found")  # fmt: skip
-            raw = await read_body(receive, headers.get(b"content-length"), self.max_body_bytes)
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ApiError(400, "the body must be a JSON object")
@@ -288,7 +290,7 @@ class OpenAIApi:
             generated = None
             if verdict.action in ("serve", "overflow"):
                 try:
-                    generated = _admit(engine, ask.request)
+                    generated = engine.submit(ask.request, count_refusal=False)
                 except Refused as exc:
                     if verdict.action == "serve" and not verdict.overflow_if_refused:
                         engine.refused(ask.level)
@@ -395,7 +397,7 @@ class OpenAIApi:
         verdict = self._verdict(ask)
         if verdict.action == "serve":
             try:
-                stream = _admit(engine, ask.request)
+                stream = engine.submit(ask.request, count_refusal=False)
             except Refused as exc:
                 verdict = admission.on_refusal(verdict, exc.rejection)
                 if verdict.action == "refuse":
@@ -919,7 +921,8 @@ class _GenerativeJobs:
         except (ApiError, KeyError, TypeError, AttributeError, ValueError) as exc:
             raise Unservable(f"the request cannot be served any more: {exc}") from None
         try:
-            stream = _admit(engine, ask.request)  # Refused: queued again
+            # Counted once, `queued_async`, when the job was accepted: its run here is not a second answer.
+            stream = engine.submit(replace(ask.request, counted=False), count_refusal=False)  # Refused: queued again
         except ValueError as exc:  # it no longer fits the model (a variant with a shorter context)
             raise Unservable(f"the request cannot be served any more: {exc}") from None
         return self._answer(ask, stream, job.id)
@@ -941,23 +944,6 @@ class _GenerativeJobs:
                 names.OPENAI_FIELD: {"outcome": names.QUEUED_ASYNC, "job_id": job_id,
                                      "finish_reason": last.finish_reason}}  # fmt: skip
         return json.dumps(body).encode()
-
-
-def _admit(pool: EnginePool, request: GenerationRequest) -> Stream:
-    """Admit on the pool's instance that predicts the earliest first token (as `EnginePool.submit`), counting no
-    refusal: the caller counts one outcome per request, which may still be an overflow or a fallback. (A request
-    that cannot fit the model, ValueError, is counted by the engine: it is a 400 whatever the policy.)"""
-    order = pool.instances
-    if len(order) > 1:
-        with contextlib.suppress(ValueError):
-            order = sorted(order, key=lambda e: (e.broken is not None, e.predict_first_token_s(request), e.load))
-    for engine in order[:-1]:
-        try:
-            return engine.submit(request, count_refusal=False)
-        except Refused as exc:
-            if exc.rejection.reason != "queue_full":
-                raise
-    return order[-1].submit(request, count_refusal=False)
 
 
 async def _once(completion: Completion) -> AsyncIterator[Chunk]:

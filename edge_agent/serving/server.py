@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -203,7 +204,8 @@ class Agent:
             self.telemetry.shutdown()
 
 
-def _default_outputs(config: AgentConfig, registry: ModelRegistry) -> dict[str, dict[str, np.ndarray]]:
+def _default_outputs(config: AgentConfig, registry: ModelRegistry,
+                     generative: Collection[str] = ()) -> dict[str, dict[str, np.ndarray]]:  # fmt: skip
     """`overflow.default_outputs`, checked against each model's outputs (ModelConfigError names what is wrong)."""
     found = {}
     for name, raw in config.overflow.default_outputs.items():
@@ -214,7 +216,7 @@ def _default_outputs(config: AgentConfig, registry: ModelRegistry) -> dict[str, 
                                                    raw)  # fmt: skip
         except PolicyRefused as exc:
             raise ModelConfigError(f"agent config {exc}") from None
-    unknown = sorted(set(config.async_jobs.models) - set(registry.names()))
+    unknown = sorted(set(config.async_jobs.models) - set(registry.names()) - set(generative))
     if unknown:
         raise ModelConfigError(f"agent config async_jobs.models: no model(s) {unknown} are served")
     return found
@@ -229,7 +231,8 @@ def _breaker_config(config: AgentConfig) -> Any:
 def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
     """Wire the app, the policy applier, the fallback cache, telemetry, overflow, the async queue and (with a
     control plane) the poller."""
-    defaults = _default_outputs(config, registry)
+    generative = _generative_models(config)
+    defaults = _default_outputs(config, registry, generative)
     gateway = config.gateway()
     local_overflow = None
     if config.overflow.enabled and gateway is not None:
@@ -244,7 +247,6 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         )
         for name in registry.names()
     }
-    generative = _generative_models(config)
     engines = _generative(config, generative)
     decoders = {name: ServedDecoder(model.folder.parent, int(model.folder.name), overflow=local_overflow)
                 for name, model in generative.items()}  # fmt: skip

@@ -227,9 +227,12 @@ class GenerationRecorder:
         self.telemetry.requests.add(1, {names.ATTR_MODEL: self.model, names.ATTR_VERSION: self.version,
                                         names.ATTR_PRIORITY: priority, names.ATTR_OUTCOME: outcome})  # fmt: skip
 
-    def finished(self, priority: int, outcome: str, *, operation: str, prompt_tokens: int, completion_tokens: int,
-                 ttft_s: float | None, duration_s: float) -> None:  # fmt: skip
-        self.outcome(priority, outcome)
+    def finished(self, priority: int, outcome: str | None, *, operation: str, prompt_tokens: int,
+                 completion_tokens: int, ttft_s: float | None, duration_s: float) -> None:  # fmt: skip
+        """One stream's end: its outcome in `spillway.requests` (None: counted elsewhere, as an async job is when
+        accepted) and its GenAI histograms."""
+        if outcome is not None:
+            self.outcome(priority, outcome)
         t = self.telemetry
         attributes = {names.ATTR_GENAI_MODEL: self.model, names.ATTR_GENAI_OPERATION: operation}
         t.genai_duration.record(duration_s, attributes)
