@@ -8,7 +8,10 @@
    SLO's SLI, error budget and burn rates;
 5. the control loop: a rule fires under a surge, the agent switches variant, and recovers;
 6. overflow: a second, small edge agent under normal load, a 3x burst overflowing to a cloud backend through the
-   control plane's gateway, the cloud killed mid-burst and the fallback chain answering, the cloud back.
+   control plane's gateway, the cloud killed mid-burst and the fallback chain answering, the cloud back;
+7. generative traffic through the whole system: streaming chat clients (the `openai` package) at three priorities
+   against a third edge agent serving tiny-lm, a TTFT SLO that burns, a rule that caps max_tokens and a harsher one
+   that overflows priority 3 to a cloud agent behind the gateway (an `openai` backend), the cloud killed and back.
 """
 
 from __future__ import annotations
@@ -104,7 +107,11 @@ def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard
             _say(f"error: the overflow story failed: {exc}")
             return 1
         _say()
-        generative_story(agent_base)
+        try:
+            generative_overflow_story(story)
+        except (RuntimeError, httpx.HTTPError) as exc:
+            _say(f"error: the generative overflow story failed: {exc}")
+            return 1
         _say()
         _say(f"  curl {agent_base}/v2/spillway/status")
         _say(f'  curl -H "Authorization: Bearer $SPILLWAY_API_KEY" {base}/api/v1/agents/{agent_id}/metrics?window=5m')
@@ -123,14 +130,63 @@ def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard
             return 0
 
 
-def generative_story(agent_base: str) -> None:
-    """A mixed-priority burst of streamed chats to tiny-lm on the edge agent, through the `openai` package."""
-    from spillway.demo.generate_story import format_generative, run_generative_burst
+def generative_overflow_story(story: Any) -> None:
+    """Streams through the whole system (spillway/demo/generative_overflow_story.py): a TTFT SLO burns, a rule caps
+    max_tokens, a harsher one overflows priority 3 to a cloud agent behind the gateway; the cloud dies and comes
+    back. A table of the clients' streams per phase, the control loop's and the gateway's events, the counts."""
+    from spillway.demo import generative_overflow_story as gen
+    from spillway.demo.harness import free_port
 
-    _say("Generative: 24 streamed chat completions to tiny-lm (32 tokens each, 12 at a time, priorities 1-3), through")
-    _say(f"the openai package at {agent_base}/v1, as its clients saw them (continuous batching on the agent):")
-    reports, wall_s = asyncio.run(run_generative_burst(agent_base))
-    _say(format_generative(reports, wall_s))
+    models = gen.lm_repository(story.root / "models-genai")
+    act = gen.GenerativeOverflowStory(story, models=models, edge_port=free_port(), cloud_port=free_port())
+    act.start()
+    unloaded, duration, threshold = act.calibrate()
+    threshold_ms = round(threshold * 1000, 6)
+    _say(
+        f"Generative overflow: an edge agent ({act.edge_url}, {gen.EDGE_NAME}) serves {gen.MODEL} with at most "
+        f"{gen.EDGE_SEQS} streams at once;"
+    )
+    _say(f"a Spillway agent in cloud role ({act.cloud.url}, {gen.CLOUD_SEQS} at once) sits behind the control plane's "
+         "gateway as an openai backend.")  # fmt: skip
+    _say(f"Measured now: first token {unloaded * 1000:.0f} ms unloaded, a stream of {gen.MAX_TOKENS} tokens "
+         f"{duration * 1000:.0f} ms with the engine full.")  # fmt: skip
+    _say(f"SLO {gen.SLO_NAME}: {gen.OBJECTIVE:g} % of streams start within {threshold_ms:g} ms. Rules: burn >= "
+         f"{gen.CAP_BURN:g}x caps max_tokens at {gen.CAP}; burn >= {gen.OVERFLOW_BURN:g}x for {gen.OVERFLOW_FOR} "
+         "overflows priority 3 to the cloud.")  # fmt: skip
+    act.add_policy(threshold_ms)
+    _say("Closed-loop streaming chat clients (the openai package, greedy, a few prompts each) at priorities 1-3:")
+
+    def announce(index: int, phase: Any) -> None:
+        clients = "/".join(str(phase.clients.get(p, 0)) for p in (1, 2, 3))
+        _say(f"  phase {index + 1}: {phase.name}, clients P1/P2/P3 {clients}")
+
+    phases = gen.standard_phases(act)
+    act.run(phases, on_phase=announce)
+    _say()
+    _say("Streams per phase as the clients saw them (outcome: spillway-outcome; lost: no [DONE], no error event and")
+    _say("no HTTP answer; capped: answered with spillway-max-tokens-cap; burn: the SLO's over its 2m/1m windows):")
+    _say(gen.format_phases(phases))
+    _say()
+    _say("Events from the control loop and the gateway (GET /api/v1/events):")
+    for event in act.events():
+        _say(gen.describe_event(event))
+    every = [*act.probes, *phases]
+    ended = gen.endings(every)
+    odd = "".join(f"; {k} {v}" for k, v in ended.items() if k not in ("[DONE]", "error event", "HTTP answer", "lost"))
+    _say(f"Every stream ended once: {ended['[DONE]']} with [DONE], {ended['error event']} with an error event, "
+         f"{ended['HTTP answer']} with an HTTP answer (refused before a token); lost {ended['lost']}{odd}")  # fmt: skip
+    overflowed, marked = gen.overflow_marks(every, act.cloud.name)
+    _say(f"Overflowed streams: {overflowed}, of which {marked} said so in the spillway-backend header and in a last "
+         f"chunk naming the backend ({act.cloud.name}) before [DONE]")  # fmt: skip
+    sent = gen.client_counts(every)
+    counted = act.agent_counts(sum(sent.values()))
+    words = ", ".join(f"{k} {v}" for k, v in sent.most_common())
+    _say(f"The clients counted {sum(sent.values())} streams: {words}")
+    if counted is None:
+        _say("The control plane shows no generative telemetry for the edge agent.")
+    else:
+        words = ", ".join(f"{k} {v}" for k, v in counted.most_common())
+        _say(f"The control plane counted {sum(counted.values())} from the edge agent's telemetry: {words}")
 
 
 def _start_dashboard(story: Any, admin_key: str, port: int) -> Any:
