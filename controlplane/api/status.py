@@ -125,7 +125,11 @@ class GatewayBackendState(BaseModel):
     id: str
     name: str
     url: str
+    protocol: str = Field(default="v2", description="v2 (Open Inference Protocol) or openai (OpenAI-compatible)")
     models: list[str]
+    model_map: dict[str, str] = Field(
+        default_factory=dict, description="openai backends: edge model name -> the backend's name for it"
+    )
     healthy: bool = Field(description="passing its readiness checks for every model it lists")
     unhealthy_models: list[str] = Field(description="models whose readiness checks fail")
     ejected: bool = Field(description="out of the pool after consecutive failures (outlier detection)")

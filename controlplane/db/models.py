@@ -126,7 +126,9 @@ class Backend(Resource):
     __tablename__ = "backends"
 
     url: Mapped[str] = mapped_column(String(2048))
+    protocol: Mapped[str] = mapped_column(String(16), default="v2")  # v2 | openai
     models: Mapped[list[Any]] = mapped_column(default=list)
+    model_map: Mapped[dict[str, Any]] = mapped_column(default=dict)  # openai: edge model -> the backend's name
     weight: Mapped[float] = mapped_column(Float, default=1.0)
     max_concurrency: Mapped[int] = mapped_column(Integer, default=64)
     timeout_ms: Mapped[int] = mapped_column(Integer, default=10_000)

@@ -1,5 +1,6 @@
-"""The overflow gateway: forwards Open Inference Protocol requests from edge agents to cloud backends, with
-backend choice, active readiness checks, passive outlier ejection and retries (docs/gateway.md).
+"""The overflow gateway: forwards Open Inference Protocol requests from edge agents to cloud backends, and relays
+OpenAI-compatible completions to `openai` backends stream by stream, with backend choice, active readiness checks,
+passive outlier ejection and retries (docs/gateway.md).
 
 `create_app` makes one `Gateway` (`app.state.gateway`) and puts a `GatewayDispatcher` outermost; the lifespan
 starts and closes it.
@@ -29,6 +30,7 @@ from controlplane.gateway.outlier import OutlierDetector, OutlierPolicy
 from controlplane.gateway.picker import BackendPicker, PowerOfTwoChoices, WeightedRandom, make_picker
 from controlplane.gateway.pool import BackendPool
 from controlplane.gateway.readiness import ReadinessPolicy
+from controlplane.gateway.relay import OpenAIRelay
 from controlplane.gateway.tokens import AgentTokens, TokenCache
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "NoBackend",
     "NoCapacity",
     "NoHealthyBackend",
+    "OpenAIRelay",
     "OutlierDetector",
     "OutlierPolicy",
     "PayloadTooLarge",

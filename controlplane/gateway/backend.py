@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,12 @@ class BackendSpec:
     timeout_ms: int = 10_000
     binary_tensors: bool = True
     auth_header: str | None = field(default=None, repr=False)
+    protocol: str = "v2"  # v2 | openai
+    model_map: Mapping[str, str] = field(default_factory=dict, hash=False)  # openai: edge model -> the backend's
+
+    def cloud_model(self, model: str) -> str:
+        """The backend's name for the edge's `model`."""
+        return self.model_map.get(model, model)
 
 
 @dataclass(frozen=True)

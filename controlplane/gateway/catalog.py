@@ -27,7 +27,8 @@ MISS_RELOAD_S = 0.5
 def spec_of(row: Backend) -> BackendSpec:
     return BackendSpec(id=row.id, name=row.name, url=row.url.rstrip("/"), models=tuple(row.models),
                        weight=row.weight, max_concurrency=row.max_concurrency, timeout_ms=row.timeout_ms,
-                       binary_tensors=row.binary_tensors, auth_header=row.auth_header or None)  # fmt: skip
+                       binary_tensors=row.binary_tensors, auth_header=row.auth_header or None,
+                       protocol=row.protocol or "v2", model_map=dict(row.model_map or {}))  # fmt: skip
 
 
 class BackendCatalog:
@@ -89,9 +90,10 @@ class BackendCatalog:
         with self.factory() as session:
             return [spec_of(row) for row in session.scalars(select(Backend))]
 
-    async def current(self, model: str) -> None:
+    async def current(self, model: str, protocol: str = "v2") -> None:
         """Before a request picks: reload if this process changed a backend since the last load, or if nobody
-        serves `model` (then at most every MISS_RELOAD_S). A failed load does not raise: the last one serves.
+        serves `model` over `protocol` (then at most every MISS_RELOAD_S). A failed load does not raise: the last
+        one serves.
 
         Raises InvalidModelName for a name that no backend can register (the backends' own rule): no load
         could ever serve it, so it is the request that is wrong, not the fleet that lacks a backend."""
@@ -105,7 +107,7 @@ class BackendCatalog:
                 if self._generation == self._loaded_generation:
                     break
                 await self.reload()
-            if not self.pool.knows(model):
+            if not self.pool.knows(model, protocol):
                 if self._loading is not None and not self._loading.done():
                     await asyncio.shield(self._loading)
                 elif self.clock() - self._last_miss_load >= MISS_RELOAD_S:

@@ -1,7 +1,8 @@
-"""The gateway's way in: an outermost ASGI layer that takes `POST /v2/models/{m}[/versions/{v}]/infer` for
-itself and hands everything else to the FastAPI stack, so inference never pays for routing and middleware.
+"""The gateway's way in: an outermost ASGI layer that takes `POST /v2/models/{m}[/versions/{v}]/infer`,
+`POST /v1/completions` and `POST /v1/chat/completions` for itself and hands everything else to the FastAPI stack, so
+inference never pays for routing and middleware.
 
-The same two paths are also FastAPI routes (`gateway_router`), for the OpenAPI document and for anything that
+The same paths are also FastAPI routes (`gateway_router`), for the OpenAPI document and for anything that
 walks the app's routes; they answer through the same `Gateway.serve` should a request ever reach them.
 """
 
@@ -15,6 +16,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.gateway.forward import Gateway
+from controlplane.gateway.relay import PATHS as OPENAI_PATHS
 from controlplane.schemas.common import ERROR_RESPONSES, ErrorBody
 
 _PREFIX = "/v2/models/"
@@ -44,6 +46,9 @@ class GatewayDispatcher:
             if target is not None:
                 await self.gateway.serve(scope, receive, send, *target)
                 return
+            if scope["path"] in OPENAI_PATHS:
+                await self.gateway.relay.serve(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 
@@ -57,6 +62,17 @@ class _Served(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gateway, model, version = self.target
         await gateway.serve(scope, receive, send, model, version)
+
+
+class _Relayed(Response):
+    """A response that is the gateway's OpenAI-compatible relay answering the request itself."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__()
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.gateway.relay.serve(scope, receive, send)
 
 
 _OPENAPI: dict[str, Any] = {
@@ -80,6 +96,36 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+_OPENAI_ERROR = {
+    "type": "object",
+    "description": "OpenAI's error shape; `code`: no_backend, backend_failed, deadline_exceeded, or the gateway's "
+    "own (invalid_request, unauthenticated, ...); the header spillway-reason has the gateway's precise reason",
+    "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+        "code": {"type": "string"}}}},
+}  # fmt: skip
+_OPENAI_OPENAPI: dict[str, Any] = {
+    "security": [{"HTTPBearer": []}],  # an agent token
+    "requestBody": {
+        "required": True,
+        "description": "an OpenAI completion or chat completion request; `model` is the edge's name for the model, "
+        "which each backend gets as its own (`model_map`)",
+        "content": {"application/json": {"schema": {"type": "object", "required": ["model"]}}},
+    },
+}
+_OPENAI_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the backend's answer relayed as it arrives (JSON, or server-sent events); a backend that "
+          "fails mid-answer leaves an error event and no `data: [DONE]` (headers spillway-backend, spillway-attempts)",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    **{status: {"description": text, "content": {"application/json": {"schema": _OPENAI_ERROR}}} for status, text in (
+        (400, "invalid_request or invalid_model_name"), (401, "unauthenticated: no or an invalid agent token"),
+        (403, "forbidden: not an agent token"), (413, "payload_too_large"),
+        (502, "backend_failed: every attempt failed before the first byte"),
+        (503, "no_backend: none registered, healthy or with capacity (or the last backend's 503)"),
+        (504, "deadline_exceeded: no first byte within spillway-timeout-us"))},
+}  # fmt: skip
+
+
 def gateway_router() -> APIRouter:
     router = APIRouter(tags=["gateway"])
     summary = "Infer on a cloud backend (agents only)"
@@ -94,15 +140,28 @@ def gateway_router() -> APIRouter:
     async def infer_version(model: str, version: str, request: Request) -> Response:
         return _Served(request.app.state.gateway, model, version)
 
+    relay = "Relay to an OpenAI-compatible cloud backend (agents only)"
+
+    @router.post("/v1/completions", summary=relay, responses=_OPENAI_RESPONSES, openapi_extra=_OPENAI_OPENAPI,
+                 response_class=Response)  # fmt: skip
+    async def completions(request: Request) -> Response:
+        return _Relayed(request.app.state.gateway)
+
+    @router.post("/v1/chat/completions", summary=relay, responses=_OPENAI_RESPONSES, openapi_extra=_OPENAI_OPENAPI,
+                 response_class=Response)  # fmt: skip
+    async def chat_completions(request: Request) -> Response:
+        return _Relayed(request.app.state.gateway)
+
     return router
 
 
 class NotGatewayAccess(logging.Filter):
-    """Drops uvicorn access-log records of the gateway's inference requests (`POST /v2/models/.../infer`)."""
+    """Drops uvicorn access-log records of the gateway's inference requests (`POST /v2/models/.../infer`, and the
+    relay's `/v1/completions` and `/v1/chat/completions`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
         if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
-            path = args[2]
-            return not (path.startswith("/v2/models/") and path.split("?", 1)[0].endswith("/infer"))
+            path = args[2].split("?", 1)[0]
+            return not ((path.startswith("/v2/models/") and path.endswith("/infer")) or path in OPENAI_PATHS)
         return True

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -24,6 +25,15 @@ from starlette.types import Message, Receive, Scope, Send
 
 from controlplane.db.models import utcnow
 from controlplane.errors import InvalidRequest, SpillwayError
+from controlplane.gateway.attempt import (
+    RETRIABLE_STATUS,
+    Attempt,
+    Failure,
+    GiveUp,
+    Instruments,
+    answer_headers,
+    failure_details,
+)
 from controlplane.gateway.backend import BackendSpec, BackendState
 from controlplane.gateway.budget import RetryBudget
 from controlplane.gateway.catalog import BackendCatalog
@@ -33,6 +43,7 @@ from controlplane.gateway.errors import BackendUnavailable, BadBackendResponse, 
 from controlplane.gateway.eventlog import EventLog
 from controlplane.gateway.health import ReadinessChecker
 from controlplane.gateway.pool import BackendPool
+from controlplane.gateway.relay import OpenAIRelay
 from controlplane.gateway.tokens import AgentTokens, TokenCache
 from controlplane.gateway.translate import Translated, TranslationError, request_to_json, response_from_json
 from controlplane.monitoring import GatewayMetrics
@@ -40,7 +51,6 @@ from spillway.contract.v2 import ClientGone
 
 log = logging.getLogger("spillway.controlplane.gateway")
 
-RETRIABLE_STATUS = frozenset({502, 503, 504})
 _ERROR_BODY_LIMIT = 64 << 10  # a retriable error's body is kept (to pass on if it is the last) up to this
 _INLINE_JSON = 256 << 10  # request JSON up to this size is parsed on the event loop
 _SLACK_S = 0.0005  # less time than this left: no attempt is worth starting
@@ -75,45 +85,10 @@ class _Request:
         return self._translated
 
 
-@dataclass(frozen=True)
-class _Failure:
-    """A retriable attempt: a transport failure or a 502/503/504, kept to answer with if it is the last."""
-
-    kind: str  # connect | reset | timeout | status_5xx
-    message: str
-    backend: BackendSpec
-    status: int | None = None
-    body: bytes = b""
-    headers: tuple[tuple[bytes, bytes], ...] = ()
-
-
-class _Instruments:
-    """One backend's labelled metric children, made once (a `.labels()` lookup costs microseconds)."""
-
-    def __init__(self, metrics: GatewayMetrics, name: str) -> None:
-        self.metrics = metrics
-        self.name = name
-        self.outstanding = metrics.outstanding.labels(name)
-        self.duration = metrics.duration.labels(name)
-        self._codes: dict[str, Any] = {}
-        self._kinds: dict[str, Any] = {}
-
-    def attempt(self, code: str, failure: str | None, seconds: float) -> None:
-        counter = self._codes.get(code)
-        if counter is None:
-            counter = self._codes[code] = self.metrics.requests.labels(self.name, code)
-        counter.inc()
-        if failure is not None:
-            kind = self._kinds.get(failure)
-            if kind is None:
-                kind = self._kinds[failure] = self.metrics.errors.labels(self.name, failure)
-            kind.inc()
-        self.duration.observe(seconds)
-
-
 class Gateway:
-    """The V2 infer proxy. Made with the app; `start` (in the lifespan) opens the HTTP client, loads the
-    backends and starts the background tasks (refresh, readiness checks, events); `close` stops them."""
+    """The V2 infer proxy, and the OpenAI-compatible relay beside it (`relay`). Made with the app; `start` (in the
+    lifespan) opens the HTTP client, loads the backends and starts the background tasks (refresh, readiness checks,
+    events); `close` stops them."""
 
     def __init__(
         self,
@@ -134,7 +109,8 @@ class Gateway:
         self.checker: ReadinessChecker | None = None
         self._http: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._instruments: dict[str, _Instruments] = {}
+        self._instruments: dict[str, Instruments] = {}
+        self.relay = OpenAIRelay(self)  # POST /v1/completions and /v1/chat/completions
 
     async def start(self, factory: sessionmaker[Session]) -> None:
         self.tokens.factory = factory
@@ -207,12 +183,12 @@ class Gateway:
         if instruments is not None:
             self.metrics.forget(instruments.name)
 
-    def _instruments_of(self, spec: BackendSpec) -> _Instruments:
+    def instruments_of(self, spec: BackendSpec) -> Instruments:
         instruments = self._instruments.get(spec.id)
         if instruments is None or instruments.name != spec.name:  # new, or renamed
             if instruments is not None:
                 self.metrics.forget(instruments.name)
-            instruments = self._instruments[spec.id] = _Instruments(self.metrics, spec.name)
+            instruments = self._instruments[spec.id] = Instruments(self.metrics, spec.name)
         return instruments
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -282,41 +258,47 @@ class Gateway:
             headers["Content-Encoding"] = content_encoding.decode("latin-1")
         path = f"/v2/models/{model}/versions/{version}/infer" if version else f"/v2/models/{model}/infer"
         request = _Request(path, body, length, headers, compressed)
-        await self._forward(send, model, request, limit_us)
+        await self.forward(model, limit_us, partial(self._attempt, send, request), partial(self._give_up, send))
 
-    async def _forward(self, send: Send, model: str, request: _Request, limit_us: int | None) -> None:
+    async def forward(
+        self, model: str, limit_us: int | None, attempt: Attempt, give_up: GiveUp, protocol: str = "v2"
+    ) -> None:
+        """Try backends of `protocol` serving `model` one after another: `attempt(state, timeout_s, n)` answers
+        (None) or reports a retriable failure; another backend is tried while the deadline (`limit_us`, else the
+        first backend's timeout) and the retry budget allow, else `give_up(last failure, attempts, why)` answers.
+        Raises the pool's Refusal when no backend could take it at all, DeadlineExceeded when time ran out."""
         started = self.clock()
         deadline = None if limit_us is None else started + limit_us / 1e6
         tried: list[str] = []
-        last: _Failure | None = None
+        last: Failure | None = None
         budget = self.budget
         budget.active_requests += 1
         try:
             while True:
                 if deadline is not None and deadline - self.clock() < _SLACK_S:
                     if last is None or last.kind == "timeout":
-                        raise DeadlineExceeded(_spent(limit_us, last, len(tried)), _details(last, len(tried)))
-                    return await self._give_up(send, last, len(tried), "no time is left of the deadline")
+                        raise DeadlineExceeded(_spent(limit_us, last, len(tried)), failure_details(last, len(tried)))
+                    return await give_up(last, len(tried), "no time is left of the deadline")
                 retry = bool(tried)
                 if retry:
                     assert last is not None
                     if not budget.try_retry():
-                        return await self._give_up(send, last, len(tried), "the retry budget is spent")
+                        return await give_up(last, len(tried), "the retry budget is spent")
                 try:
                     try:
-                        state = self.pool.acquire(model, tried)
+                        state = self.pool.acquire(model, tried, protocol)
                     except Refusal:
                         self._emit()
                         if last is None:
                             raise
-                        return await self._give_up(send, last, len(tried), "no other backend can take it")
+                        return await give_up(last, len(tried), "no other backend can take it")
                     if retry:
                         self.metrics.retries.inc()
                     if deadline is None:  # the caller set none: the first backend's timeout bounds the request
                         deadline = started + state.spec.timeout_ms / 1000
                     timeout_s = min(deadline - self.clock(), state.spec.timeout_ms / 1000)
                     tried.append(state.id)
-                    failure = await self._attempt(send, state, request, timeout_s, len(tried))
+                    failure = await attempt(state, timeout_s, len(tried))
                 finally:
                     if retry:
                         budget.retry_done()
@@ -328,11 +310,11 @@ class Gateway:
             budget.active_requests -= 1
 
     async def _attempt(
-        self, send: Send, state: BackendState, request: _Request, timeout_s: float, attempt: int
-    ) -> _Failure | None:
-        """One try at one backend. None: answered (or cut off mid-stream); a _Failure: retriable."""
+        self, send: Send, request: _Request, state: BackendState, timeout_s: float, attempt: int
+    ) -> Failure | None:
+        """One try at one backend. None: answered (or cut off mid-stream); a Failure: retriable."""
         spec = state.spec
-        instruments = self._instruments_of(spec)
+        instruments = self.instruments_of(spec)
         translated: Translated | None = None
         failure: str | None = None
         error: str | None = None
@@ -373,9 +355,9 @@ class Gateway:
                     passed = tuple((k.lower(), v) for k, v in response.raw_headers if k.lower() in _PASSED_ON
                                    and k.lower() != b"content-length")  # fmt: skip
                     kind = "busy" if busy else "status_5xx"
-                    return _Failure(kind, f"backend '{spec.name}' answered {status}", spec, status, kept,
+                    return Failure(kind, f"backend '{spec.name}' answered {status}", spec, status, kept,
                                     passed)  # fmt: skip
-                extra = _ours(spec, attempt)
+                extra = answer_headers(spec, attempt)
                 if translated is not None and status == 200:
                     raw = await response.read()
                     try:
@@ -412,17 +394,18 @@ class Gateway:
         if streaming:  # the status line has gone out: cut the connection rather than end a broken body cleanly
             log.warning("gateway: backend %s failed mid-answer (%s); the client's connection is cut", spec.name, error)
             return None
-        return _Failure(failure, f"backend '{spec.name}': {error}", spec)
+        return Failure(failure, f"backend '{spec.name}': {error}", spec)
 
-    async def _give_up(self, send: Send, last: _Failure, attempts: int, why: str) -> None:
+    async def _give_up(self, send: Send, last: Failure, attempts: int, why: str) -> None:
         """No (further) retry: the last failure is the answer; a backend's 502/503/504 passes as it came."""
         if last.status is not None:
-            headers = [*last.headers, (b"content-length", str(len(last.body)).encode()), *_ours(last.backend, attempts)]
+            length = (b"content-length", str(len(last.body)).encode())
+            headers = [*last.headers, length, *answer_headers(last.backend, attempts)]
             await send({"type": "http.response.start", "status": last.status, "headers": headers})
             await send({"type": "http.response.body", "body": last.body})
             return
         message = f"{attempts} attempt{'s' if attempts > 1 else ''} failed and {why}; the last: {last.message}"
-        raise BackendUnavailable(message, _details(last, attempts))
+        raise BackendUnavailable(message, failure_details(last, attempts))
 
     async def _refuse(self, send: Send, exc: SpillwayError) -> None:
         self.metrics.rejected.labels(exc.code).inc()
@@ -462,18 +445,7 @@ class Gateway:
         }
 
 
-def _ours(spec: BackendSpec, attempts: int) -> list[tuple[bytes, bytes]]:
-    return [(b"spillway-backend", spec.name.encode()), (b"spillway-backend-id", spec.id.encode()),
-            (b"spillway-attempts", str(attempts).encode())]  # fmt: skip
-
-
-def _details(last: _Failure | None, attempts: int) -> dict[str, Any] | None:
-    if last is None:
-        return None
-    return {"attempts": attempts, "last_backend": last.backend.name, "last_error": last.message}
-
-
-def _spent(limit_us: int | None, last: _Failure | None, attempts: int) -> str:
+def _spent(limit_us: int | None, last: Failure | None, attempts: int) -> str:
     text = "the backend's timeout passed" if limit_us is None else f"the deadline of {limit_us / 1000:g} ms passed"
     if last is not None:
         text += f" after {attempts} attempt{'s' if attempts > 1 else ''}; the last: {last.message}"

@@ -32,9 +32,9 @@ class OutlierPolicy:
 class OutlierDetector:
     """Decides ejections and returns; the pool applies them. Times are the pool's monotonic clock."""
 
-    def __init__(self, policy: OutlierPolicy, peers: Callable[[str], Sequence[BackendState]]) -> None:
+    def __init__(self, policy: OutlierPolicy, peers: Callable[[str, str], Sequence[BackendState]]) -> None:
         self.policy = policy
-        self.peers = peers  # model -> the backends serving it
+        self.peers = peers  # (model, protocol) -> the backends serving it over that protocol
 
     def succeeded(self, state: BackendState) -> None:
         state.consecutive_failures = 0
@@ -50,7 +50,7 @@ class OutlierDetector:
 
     def may_eject(self, state: BackendState, now: float) -> bool:
         for model in state.spec.models:
-            peers = self.peers(model)
+            peers = self.peers(model, state.spec.protocol)
             out = sum(1 for p in peers if p is not state and p.ejected(now))
             if out and (out + 1) * 100 > self.policy.max_ejection_percent * len(peers):
                 return False

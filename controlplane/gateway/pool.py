@@ -20,7 +20,10 @@ _NONE: tuple[BackendState, ...] = ()
 
 
 class BackendPool:
-    """Backends by id and by model; `acquire` picks one for a request, `release` reports how it went."""
+    """Backends by id, and by protocol and model; `acquire` picks one for a request, `release` reports how it went.
+
+    A V2 request and an OpenAI-compatible one for the same model name go to different backends (those of its
+    protocol), and outlier ejection counts a backend's peers among those of its protocol."""
 
     def __init__(
         self,
@@ -37,7 +40,8 @@ class BackendPool:
         self.readiness = readiness or ReadinessPolicy()
         self.outlier = OutlierDetector(outlier or OutlierPolicy(), self.serving)
         self.states: dict[str, BackendState] = {}
-        self.by_model: dict[str, tuple[BackendState, ...]] = {}
+        self.by_protocol: dict[str, dict[str, tuple[BackendState, ...]]] = {"v2": {}, "openai": {}}
+        self.by_model = self.by_protocol["v2"]  # the V2 ones
         self.transitions: list[Transition] = []  # drained by the shell into the events table
 
     # ---- the registered backends ------------------------------------------------------------------
@@ -50,7 +54,9 @@ class BackendPool:
             if state is None:
                 state = BackendState(spec)
             else:
-                if state.spec.url != spec.url:  # another server behind the same id: what was learnt is void
+                old = state.spec
+                if (old.url, old.protocol, old.model_map) != (spec.url, spec.protocol, spec.model_map):
+                    # another server (or other names on it) behind the same id: what was learnt is void
                     state.checked.clear()
                     state.unhealthy.clear()
                 for model in set(state.checked) - set(spec.models):
@@ -59,31 +65,36 @@ class BackendPool:
                 state.spec = spec
             states[spec.id] = state
         removed = [s for ident, s in self.states.items() if ident not in states]
-        by_model: dict[str, list[BackendState]] = {}
+        grouped: dict[str, dict[str, list[BackendState]]] = {protocol: {} for protocol in self.by_protocol}
         for state in states.values():
+            by_model = grouped.setdefault(state.spec.protocol, {})
             for model in state.spec.models:
                 by_model.setdefault(model, []).append(state)
         self.states = states
-        self.by_model = {m: tuple(sorted(group, key=lambda s: s.id)) for m, group in by_model.items()}
+        self.by_protocol = {protocol: {m: tuple(sorted(group, key=lambda s: s.id)) for m, group in by_model.items()}
+                            for protocol, by_model in grouped.items()}  # fmt: skip
+        self.by_model = self.by_protocol["v2"]
         return removed
 
-    def serving(self, model: str) -> tuple[BackendState, ...]:
-        return self.by_model.get(model, _NONE)
+    def serving(self, model: str, protocol: str = "v2") -> tuple[BackendState, ...]:
+        return self.by_protocol.get(protocol, {}).get(model, _NONE)
 
-    def knows(self, model: str) -> bool:
-        return model in self.by_model
+    def knows(self, model: str, protocol: str = "v2") -> bool:
+        return model in self.by_protocol.get(protocol, {})
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    def acquire(self, model: str, exclude: Collection[str] = ()) -> BackendState:
-        """A backend for one request to `model`, counted as outstanding until `release`; never one in `exclude`.
+    def acquire(self, model: str, exclude: Collection[str] = (), protocol: str = "v2") -> BackendState:
+        """A backend of `protocol` for one request to `model`, counted as outstanding until `release`; never one
+        in `exclude`.
 
         Raises NoBackend (none registered), NoHealthyBackend (all failing checks or ejected), NoCapacity (all at
         their max_concurrency); at once, without waiting for a slot.
         """
-        peers = self.by_model.get(model)
+        peers = (self.by_model if protocol == "v2" else self.by_protocol.get(protocol, {})).get(model)
         if not peers:
-            raise NoBackend(f"no backend is registered for model '{model}'")
+            kind = "" if protocol == "v2" else f"{protocol} "
+            raise NoBackend(f"no {kind}backend is registered for model '{model}'")
         now = self.clock()
         healthy: list[BackendState] = []
         for state in peers:
@@ -166,7 +177,8 @@ class BackendPool:
             spec = state.spec
             ejected = state.ejected(now)
             rows.append({
-                "id": spec.id, "name": spec.name, "url": spec.url, "models": list(spec.models),
+                "id": spec.id, "name": spec.name, "url": spec.url, "protocol": spec.protocol,
+                "models": list(spec.models), "model_map": dict(spec.model_map),
                 "healthy": not state.unhealthy, "unhealthy_models": sorted(state.unhealthy),
                 "ejected": ejected, "ejected_for_s": (state.ejected_until or now) - now if ejected else None,
                 "times_ejected": state.times_ejected, "consecutive_failures": state.consecutive_failures,

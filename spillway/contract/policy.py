@@ -79,7 +79,7 @@ class ModelPolicy(_Strict):
     # Generative models only (a V2 model ignores them): the engine's limits, applied live to new streams.
     max_tokens_cap: int | None = Field(
         default=None, ge=1, le=1_048_576,
-        description="a request asking for more tokens (or naming no limit) gets this many at most, finish_reason length",
+        description="a request asking for more tokens (or for no limit) gets this many at most, finish_reason length",
     )  # fmt: skip
     max_num_seqs: int | None = Field(default=None, ge=1, le=4096, description="sequences decoded at once, at most")
     max_num_batched_tokens: int | None = Field(

@@ -249,3 +249,41 @@ def test_nul_in_urls_is_400(api: Api) -> None:
         response = api.call("GET", path)
         assert response.status_code == 400, (path, response.text)
         assert response.json()["error"] == "bad_request"
+
+
+def test_openai_backends_carry_a_protocol_and_a_model_map(api: Api) -> None:
+    body = make_backend(protocol="openai", models=["tiny-lm", "coder"], model_map={"tiny-lm": "Qwen2.5-7B-Instruct"})
+    created = api.call("POST", "/api/v1/backends", json=body)
+    assert created.status_code == 201, created.text
+    assert (created.json()["protocol"], created.json()["model_map"]) == ("openai", {"tiny-lm": "Qwen2.5-7B-Instruct"})
+    assert "backend-secret-value" not in created.text and created.json()["auth_header_set"] is True
+    ident = created.json()["id"]
+    listed = api.call("GET", "/api/v1/backends").json()["items"]
+    assert [(b["protocol"], b["model_map"]) for b in listed] == [("openai", {"tiny-lm": "Qwen2.5-7B-Instruct"})]
+    patched = api.call("PATCH", f"/api/v1/backends/{ident}", json={"model_map": {"coder": "Qwen2.5-Coder-7B"}})
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["model_map"] == {"coder": "Qwen2.5-Coder-7B"} and patched.json()["auth_header_set"] is True
+    # A V2 backend has no map: switching back to v2 must drop it in the same change.
+    assert api.call("PATCH", f"/api/v1/backends/{ident}", json={"protocol": "v2"}).status_code == 422
+    back = api.call("PATCH", f"/api/v1/backends/{ident}", json={"protocol": "v2", "model_map": {}})
+    assert back.status_code == 200 and back.json()["protocol"] == "v2"
+    plain = api.call("POST", "/api/v1/backends", json=make_backend()).json()
+    assert (plain["protocol"], plain["model_map"]) == ("v2", {})  # the defaults
+
+
+@pytest.mark.parametrize(
+    ("over", "field", "named"),
+    [
+        ({"protocol": "grpc"}, "body.protocol", "'v2' or 'openai'"),
+        ({"protocol": "openai", "model_map": {"bert": "x"}}, "body", "model_map: 'bert' is not one of"),
+        ({"model_map": {"mlp": "cloud-mlp"}}, "body", "model_map: applies only to backends with protocol 'openai'"),
+        ({"protocol": "openai", "model_map": {"mlp": "has space"}}, "body.model_map.mlp", "pattern"),
+        ({"protocol": "openai", "model_map": {"mlp": ""}}, "body.model_map.mlp", "at least 1"),
+        ({"protocol": "openai", "url": "http://cloud.example/v1"}, "body", "without '/v1'"),
+    ],
+)
+def test_a_bad_protocol_or_model_map_is_422_naming_it(sqlite_api: Api, over: dict, field: str, named: str) -> None:
+    response = sqlite_api.call("POST", "/api/v1/backends", json=make_backend(**over))
+    assert response.status_code == 422, response.text
+    assert response.json()["details"][0]["field"] == field, response.text
+    assert named in response.json()["message"], response.text

@@ -19,9 +19,25 @@ from tests.utils.builders import BUILDERS, make_agent
 
 PROBES = {"/healthz", "/readyz"}
 RANK = {"viewer": 0, "editor": 1, "admin": 2, "agent": 99}  # no operator role reaches agent endpoints
-AGENT_ONLY = {"/v1/metrics", "/v2/models/{model}/infer", "/v2/models/{model}/versions/{version}/infer"}  # + gateway
+AGENT_ONLY = {
+    "/v1/metrics",
+    "/v2/models/{model}/infer",
+    "/v2/models/{model}/versions/{version}/infer",
+    "/v1/completions",
+    "/v1/chat/completions",
+}  # the telemetry receiver and the gateway (V2 and OpenAI)
 READ_ONLY = {"/metrics", "/api/v1/agents/{item_id}/metrics"}  # Prometheus scrape, an agent's telemetry
 AGENT_OWN = {"/api/v1/agents/{item_id}/policy"}  # viewers, and the agent itself (tests/controlplane/test_policy_api.py)
+
+
+def error_code(body: dict[str, Any]) -> str:
+    """The control plane's `{"error": code, ...}`, or OpenAI's `{"error": {"code": ...}}` (the gateway's relay)."""
+    error = body["error"]
+    return str(error if isinstance(error, str) else error["code"])
+
+
+def error_message(body: dict[str, Any]) -> str:
+    return str(body["message"] if "message" in body else body["error"]["message"])
 
 
 def walk_routes(app: FastAPI) -> Iterator[tuple[str, str]]:
@@ -91,7 +107,7 @@ def test_every_route_but_the_probes_refuses_missing_and_bad_credentials(sqlite_a
                 assert set(response.json()) == {"status"}  # probes reveal nothing else
             else:
                 assert response.status_code == 401, (method, path, headers, response.text)
-                assert response.json()["error"] == "unauthenticated"
+                assert error_code(response.json()) == "unauthenticated"
                 assert response.headers["www-authenticate"] == "Bearer"
 
 
@@ -104,7 +120,7 @@ def test_role_matrix(sqlite_api: Api) -> None:
             response = sqlite_api.call(method, _concrete(path), role=role, json=_body(path))
             if RANK[role] < RANK[needed]:
                 assert response.status_code == 403, (role, method, path, response.text)
-                assert needed in response.json()["message"]  # e.g. "this needs the 'editor' role", "for agents"
+                assert needed in error_message(response.json())  # e.g. "this needs the 'editor' role", "for agents"
             else:  # allowed: the call reaches the route (404 for the made-up ids, 422 for a clashing body, ...)
                 assert response.status_code in (200, 201, 204, 404, 409, 422), (role, method, path, response.text)
 

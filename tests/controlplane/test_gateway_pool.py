@@ -227,6 +227,39 @@ def test_state_survives_a_reload_for_the_same_id() -> None:
     assert removed[0].outstanding == 2 and "b" not in pool.states
 
 
+def openai_spec(ident: str, models: tuple[str, ...] = ("mlp",), **model_map: str) -> BackendSpec:
+    return BackendSpec(ident, f"b-{ident}", f"http://{ident}.example", models, protocol="openai",
+                       model_map=model_map)  # fmt: skip
+
+
+def test_each_protocol_has_its_own_backends_and_its_own_ejection_share() -> None:
+    pool, clock = make_pool(spec("v"), openai_spec("o1"), openai_spec("o2"), max_ejection_percent=10)
+    assert {pool.acquire("mlp", protocol="openai").id for _ in range(20)} == {"o1", "o2"}
+    assert {pool.acquire("mlp").id for _ in range(5)} == {"v"}  # V2 requests never reach an openai backend
+    with pytest.raises(NoBackend, match="no openai backend is registered for model 'bert'"):
+        pool.acquire("bert", protocol="openai")
+    assert pool.knows("mlp", "openai") and not pool.knows("bert", "openai")
+    # The one V2 backend may go (one always may); of the two openai ones, one, never both.
+    fail(pool, "v", 5)
+    fail(pool, "o1", 5)
+    fail(pool, "o2", 5)
+    assert pool.states["v"].ejected(clock.now) and pool.states["o1"].ejected(clock.now)
+    assert not pool.states["o2"].ejected(clock.now)
+    row = next(r for r in pool.snapshot() if r["id"] == "o1")
+    assert (row["protocol"], row["model_map"]) == ("openai", {})
+
+
+def test_what_readiness_learnt_is_void_when_the_names_on_the_server_change() -> None:
+    pool, _ = make_pool(openai_spec("o", ("lm",), lm="cloud-lm"))
+    pool.checked("o", {"lm": False})
+    assert pool.states["o"].unhealthy == {"lm"}
+    pool.replace([openai_spec("o", ("lm",), lm="cloud-lm")])
+    assert pool.states["o"].unhealthy == {"lm"}  # the same: kept
+    pool.replace([openai_spec("o", ("lm",), lm="other-lm")])
+    assert pool.states["o"].unhealthy == set()  # another name to look for: healthy until checked
+    assert openai_spec("o", ("lm",), lm="x").cloud_model("lm") == "x" and spec("v").cloud_model("mlp") == "mlp"
+
+
 # ---- active readiness checks ------------------------------------------------------------------------
 
 
