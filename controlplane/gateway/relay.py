@@ -54,6 +54,7 @@ _PASSED_ON = frozenset(
 _JSON = b"application/json"
 _EVENT_STREAM = b"text/event-stream"
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+_TOO_MANY = 429  # a backend at its concurrency limit (TGI, vLLM behind a router): busy
 
 
 def error_event(message: str) -> bytes:
@@ -255,18 +256,25 @@ class OpenAIRelay:
         busy = streaming = False
         events: _Events | None = None
         response: aiohttp.ClientResponse | None = None
+        first_at: float | None = None
         try:
             opening = self._open(spec.url + call.path, payload, headers, read_timeout)
             opened, first = await asyncio.wait_for(opening, timeout_s)
+            first_at = gateway.clock()
             response = opened
             status = opened.status
             code = str(status)
-            busy = status == 503 and "retry-after" in opened.headers
+            # Busy, not broken: a 503 with Retry-After (a cloud agent that cannot start it in time) or a 429 (TGI,
+            # vLLM's router at their concurrency limits). Tried elsewhere, never counted against the backend.
+            busy = (status == 503 and "retry-after" in opened.headers) or status == _TOO_MANY
             if status >= 500 and not busy:
                 failure, error = "status_5xx", f"answered {status}"
-            if status in RETRIABLE_STATUS:
+            if status in RETRIABLE_STATUS or busy:
                 kind = "busy" if busy else "status_5xx"
-                return Failure(kind, f"backend '{spec.name}' answered {status}", spec, status)
+                return Failure(kind, f"backend '{spec.name}' answered {status}", spec, 503 if busy else status)
+            if not first and 200 <= status < 300:  # an empty success is no answer: nothing reached the client yet
+                failure, code, error = "reset", "empty", f"answered {status} with an empty body"
+                return Failure(failure, f"backend '{spec.name}': {error}", spec)
             passed = [(k.lower(), v) for k, v in opened.raw_headers if k.lower() in _PASSED_ON]
             ctype = opened.headers.get("content-type", "").encode("latin-1")
             if ctype.startswith(_EVENT_STREAM) and "content-encoding" not in opened.headers:
@@ -297,7 +305,9 @@ class OpenAIRelay:
         finally:
             if response is not None:
                 response.close()
-            seconds = gateway.clock() - began
+            # The backend's time to the first byte of its answer (what the pool's latency figures and the attempt
+            # histogram mean for a relay); a stream's own length is the client's and the model's, not the backend's.
+            seconds = (gateway.clock() if first_at is None else first_at) - began
             instruments.outstanding.dec()
             instruments.attempt(code, failure, seconds)
             gateway.pool.release(state, failure=failure, error=error, seconds=seconds, busy=busy)
@@ -316,7 +326,8 @@ class OpenAIRelay:
         """The backend's answer and the first chunk of its body (b"" for an empty body, or a retriable status)."""
         response = await self.gateway.http().post(url, data=payload, headers=headers, timeout=timeout)
         try:
-            first = b"" if response.status in RETRIABLE_STATUS else await response.content.readany()
+            retried = response.status in RETRIABLE_STATUS or response.status == _TOO_MANY
+            first = b"" if retried else await response.content.readany()
         except BaseException:
             response.close()
             raise

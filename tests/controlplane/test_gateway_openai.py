@@ -94,6 +94,8 @@ class Scripted:
         body = await request.json()
         self.requests.append({"body": body, "headers": dict(request.headers), "path": request.path})
         mode = self.mode
+        if mode == "empty":
+            return web.Response(status=200, content_type="text/event-stream")
         if mode in ("status", "busy"):  # busy: a refusal with Retry-After (a cloud agent that cannot start it in time)
             headers = {"Retry-After": "1"} if mode == "busy" else None
             return web.json_response({"error": {"message": "busy", "type": "server_error"}}, status=self.status,
@@ -498,14 +500,28 @@ def test_when_every_backend_is_busy_the_answer_is_no_capacity_not_a_failure(
 ) -> None:
     """A 503 with Retry-After is a busy cloud, not a broken one: the agent's breaker must not count it (BUSY)."""
     plane = clean
-    servers = [serve(scripted, ["m"], mode="busy", status=503) for _ in range(2)]
-    for server in servers:
-        register(plane, server.url, ["m"])
+    # A cloud agent's 503 with Retry-After, and TGI's 429 at its max_concurrent_requests.
+    servers = [serve(scripted, ["m"], mode="busy", status=503), serve(scripted, ["m"], mode="status", status=429)]
+    backends = [register(plane, server.url, ["m"]) for server in servers]
     response = post(plane, "chat/completions", {"model": "m", "messages": CHAT, "stream": True})
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "no_capacity" == response.headers["spillway-reason"]
     assert "retry-after" in response.headers
     assert [len(s.requests) for s in servers] == [1, 1]
+    assert [gateway_row(plane, backend)["errors"] for backend in backends] == [0, 0]  # busy is not a failure
+
+
+def test_an_empty_success_is_no_answer_and_is_tried_elsewhere(clean: Plane, scripted: list[Scripted]) -> None:
+    plane = clean
+    empty, good = serve(scripted, ["m"], mode="empty"), serve(scripted, ["m"])
+    bad, _ = register(plane, empty.url, ["m"]), register(plane, good.url, ["m"])
+    for _ in range(40):
+        raw = client(plane).completions.with_raw_response.create(model="m", prompt="x")
+        assert raw.parse().choices[0].text == "t0 t1 t2 "  # never the empty one
+        if empty.requests:
+            break
+    assert empty.requests, "the empty backend was never picked"
+    assert gateway_row(plane, bad)["errors"] == 1
 
 
 # ---- a third-party OpenAI-compatible server: llama-cpp-python's -------------------------------------------------
