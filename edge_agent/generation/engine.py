@@ -164,7 +164,8 @@ class GenerationEngine:
         counted unless `count_refusal` is False (the pool then asks another instance, and counts its own)."""
         loop = self._loop = self._loop or asyncio.get_running_loop()
         if self.broken is not None:
-            self.refused()
+            if count_refusal:  # else the pool asks another instance and counts its own refusal
+                self.refused()
             raise Refused(Rejection("draining", f"the model's engine stopped: {self.broken}; see the agent log", 5.0))
         if self._thread is None:
             self._start()
