@@ -25,8 +25,10 @@ from edge_agent.overflow.stream import ForwardedStream
 if TYPE_CHECKING:
     import aiohttp
 
-# Refusals that say the cloud is busy right now, not broken: they do not count against it in the breaker.
-BUSY = frozenset({"deadline_unmeetable", "queue_full", "no_capacity", "shed", "timeout", "deadline_exceeded"})
+# Refusals that say the cloud is busy right now, not broken: they do not count against it in the breaker. A 429
+# (a full TGI or vLLM, OpenAI's rate limit) is busy whatever code its body gives (`_code`).
+BUSY = frozenset({"deadline_unmeetable", "queue_full", "no_capacity", "shed", "timeout", "deadline_exceeded", "429",
+                  "rate_limit_exceeded"})  # fmt: skip
 MARGIN_S, MARGIN_SHARE = 0.020, 0.2  # of the deadline, kept back from the gateway's share (at most 20 ms)
 # The gateway answers by the deadline less the margin, but on a busy machine (either process waiting for a core) its
 # answer can still land after the deadline: it is taken for this long after it. Only silence beyond is the gateway's
@@ -123,8 +125,8 @@ class Forwarder:
                     self.answered += 1
                     kept = {k: response.headers[k] for k in _PASSED_ON if k in response.headers}
                     return Forwarded(payload, kept, elapsed)
-                code = response.headers.get("spillway-reason") or _error_code(payload) or str(response.status)
-                if code in BUSY:
+                code = _code(response.status, response.headers.get("spillway-reason"), payload)
+                if code in BUSY or response.status == 429:
                     self.breaker.release()  # the cloud is full, not failing: no verdict on its health
                 else:
                     self.breaker.record(False, elapsed)
@@ -188,8 +190,8 @@ class Forwarder:
                 payload = await asyncio.wait_for(response.read(), max(budget + LATE_GRACE_S - (self._clock() - started),
                                                                       LATE_GRACE_S))  # fmt: skip
                 elapsed = self._clock() - started
-                code = response.headers.get("spillway-reason") or _error_code(payload) or str(response.status)
-                if code in BUSY:
+                code = _code(response.status, response.headers.get("spillway-reason"), payload)
+                if code in BUSY or response.status == 429:
                     self.breaker.release()
                 else:
                     self.breaker.record(False, elapsed)
@@ -239,6 +241,11 @@ class Forwarder:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _code(status: int, reason: str | None, payload: bytes) -> str:
+    """The refusal's stable code: the gateway's `spillway-reason`, else the body's code, else the status."""
+    return reason or _error_code(payload) or str(status)
 
 
 def _error_code(payload: bytes) -> str | None:

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
     from edge_agent.overflow.breaker import CircuitBreaker
 
-__all__ = ["ForwardedStream", "SseEvents", "StreamBroken"]
+__all__ = ["MAX_EVENT_BYTES", "ForwardedStream", "SseEvents", "StreamBroken"]
+
+MAX_EVENT_BYTES = 1 << 20  # one server-sent event held back while it completes; a stream with a longer one is broken
 
 
 class StreamBroken(Exception):
@@ -98,7 +100,9 @@ class SseEvents:
     _buffer: bytes = b""
 
     def feed(self, data: bytes) -> list[tuple[bytes, str | None]]:
-        """The events `data` completes: (the event's bytes with its blank line, its data or None without one)."""
+        """The events `data` completes: (the event's bytes with its blank line, its data or None without one).
+        StreamBroken when what is left of an event is over MAX_EVENT_BYTES (no event boundary in sight: the memory
+        it would take is unbounded)."""
         self._buffer += data
         if b"\r" in self._buffer:  # CRLF (or CR) line ends, as the SSE standard allows: one kind from here on
             self._buffer = self._buffer.replace(b"\r\n", b"\n")
@@ -108,6 +112,8 @@ class SseEvents:
         while (end := self._buffer.find(b"\n\n")) >= 0:
             raw, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
             events.append((raw, _data(raw)))
+        if len(self._buffer) > MAX_EVENT_BYTES:
+            raise StreamBroken(f"the gateway's stream has an event over {MAX_EVENT_BYTES >> 20} MiB")
         return events
 
     @property

@@ -304,6 +304,7 @@ class OpenAIApi:
                 if isinstance(found, ApiError):
                     raise found
                 completion, outcome, reason = found
+                ask.count(outcome)  # a fallback's answer: counted once, as `_answer` counts it on the OpenAI routes
                 answer: dict[str, Any] = {"model_name": name, "model_version": engine.version,
                                           "text_output": completion.text, "finish_reason": completion.finish_reason,
                                           "usage": _usage_of(completion)}  # fmt: skip
@@ -336,7 +337,8 @@ class OpenAIApi:
                 answer = {**head, "text_output": output, "finish_reason": chunks[-1].finish_reason,
                           "usage": _usage(chunks[-1])}  # fmt: skip
                 self._remember(ask, output, chunks[-1])
-                await _respond(send, 500 if chunks[-1].finish_reason == "error" else 200, json.dumps(answer).encode(),
+                status = {"error": 500, "cancelled": 503}.get(chunks[-1].finish_reason or "", 200)
+                await _respond(send, status, json.dumps(answer).encode(),
                                extra=[(_OUTCOME, _outcome(chunks[-1]).encode()), *cap_headers])  # fmt: skip
                 return
             start = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -511,7 +513,9 @@ class OpenAIApi:
                                   send)  # fmt: skip
             return
         deadline = self._deadline(ask)
-        remaining = None if deadline is None else deadline - time.monotonic()
+        # The deadline is the first token's: for a whole answer the first byte is the whole completion, so it goes
+        # with the forwarder's default timeout (a healthy cloud would otherwise time out on every long answer).
+        remaining = None if deadline is None or not ask.stream else deadline - time.monotonic()
         forwarded = {"content-type": "application/json"}
         if ask.priority_header is not None:  # the body goes unchanged: the priority the client gave beside it too
             forwarded["spillway-priority"] = ask.priority_header.decode("latin-1")
@@ -520,6 +524,14 @@ class OpenAIApi:
             await self._fall_back(ask, opened.reason, f"{why}; overflow failed: {opened.message}",
                                   opened.retry_after_s, send)  # fmt: skip
             return
+        try:
+            await self._relay_overflow(ask, opened, why, receive, send)
+        finally:  # a cancellation before the relay ran, or a failed send: no verdict, and the in-flight slot back
+            opened.finish(None)  # only the first call counts: a no-op after the relay's or `_overflow_whole`'s own
+
+    async def _relay_overflow(self, ask: _Ask, opened: ForwardedStream, why: str, receive: Receive,
+                              send: Send) -> None:  # fmt: skip
+        """The gateway's answer, opened: relayed as it comes, or read whole (`_overflow_whole`)."""
         capped, ask.capped = ask.capped, None  # the cloud has the body as the client sent it: no cap applies there
         spillway = {"outcome": names.OVERFLOW, "backend": opened.backend}
         backend: Headers = [] if opened.backend is None else [(_BACKEND, opened.backend.encode("latin-1"))]
@@ -544,8 +556,10 @@ class OpenAIApi:
         try:
             relayed = await relaying
         except asyncio.CancelledError:
-            if not relaying.cancelled():
-                raise
+            # The watcher ends (returns) once it has cancelled the relay for a client that left; pending, it did not.
+            left = watcher.done() and not watcher.cancelled() and watcher.exception() is None
+            if not relaying.cancelled() or not left:
+                raise  # the handler's own cancellation, not its client's leaving
             ask.count(names.OVERFLOW)  # the client left while it was answered from the cloud
             return
         finally:
@@ -568,6 +582,7 @@ class OpenAIApi:
         been sent before it is in, so a failure on the way still takes the fallback chain."""
         try:
             payload = await opened.read_all(self.max_body_bytes)
+            arrived = time.monotonic()  # the client's first token comes with the whole answer
             body = json.loads(payload)
             if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
                 raise ValueError("not a completion")
@@ -583,7 +598,8 @@ class OpenAIApi:
         if listener is not None:
             listener.finished(ask.level, names.OVERFLOW, operation=ask.request.operation,
                               prompt_tokens=_int(usage.get("prompt_tokens"), len(ask.request.prompt)),
-                              completion_tokens=_int(usage.get("completion_tokens"), 0), ttft_s=None,
+                              completion_tokens=_int(usage.get("completion_tokens"), 0),
+                              ttft_s=arrived - ask.arrived,
                               duration_s=time.monotonic() - ask.arrived)  # fmt: skip
         if ask.stream:  # a stream asked for and a whole answer given (a backend that does not stream): as chunks
             choice: dict[str, Any] = (
@@ -817,11 +833,9 @@ class OpenAIApi:
         parts = [chunk async for chunk in chunks]
         last = parts[-1]
         text = "".join(c.text for c in parts)
-        if last.finish_reason == "error":
-            error = ApiError(
-                500, "the model run failed; see the agent log", code="inference_failed", kind="server_error"
-            )
-            await _respond(send, 500, error.body(), extra=[(_OUTCOME, b"error"), *ask.headers()])
+        error = _failed(last)
+        if error is not None:
+            await _respond(send, error.status, error.body(), extra=[(_OUTCOME, b"error"), *ask.headers()])
             return
         if outcome is None:
             self._remember(ask, text, last)
@@ -839,7 +853,8 @@ class OpenAIApi:
 
     async def _stream(self, send: Send, ask: _Ask, chunks: AsyncIterable[Chunk], outcome: str | None,
                       spillway: dict[str, Any], extra: Headers | None = None) -> None:  # fmt: skip
-        """Server-sent events of `chunks` ending with `data: [DONE]` (or, for a failed model run, an error event)."""
+        """Server-sent events of `chunks` ending with `data: [DONE]` (or, for a failed model run or one the engine
+        cut short, an error event)."""
         said = outcome or names.LOCAL
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                    (_OUTCOME, said.encode()), *ask.headers(), *(extra or [])]  # fmt: skip
@@ -854,9 +869,8 @@ class OpenAIApi:
         text: list[str] = []
         async for chunk in chunks:
             last = chunk
-            if chunk.finish_reason == "error":  # the openai package raises this as an APIError
-                error = ApiError(500, "the model run failed; see the agent log", code="inference_failed",
-                                 kind="server_error")  # fmt: skip
+            error = _failed(chunk)
+            if error is not None:  # the openai package raises this as an APIError; never [DONE] after it
                 await event(json.loads(error.body()))
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
@@ -928,7 +942,10 @@ class _GenerativeJobs:
         return self._answer(ask, stream, job.id)
 
     async def _answer(self, ask: _Ask, stream: Stream, job_id: str) -> bytes:
-        chunks = [chunk async for chunk in stream]
+        try:
+            chunks = [chunk async for chunk in stream]
+        finally:
+            stream.cancel()  # the job's task cancelled (the queue stopped): its sequence ends too; no-op once ended
         last = chunks[-1]
         if last.finish_reason in ("error", "cancelled", "draining"):
             raise ExecutionFailed(f"the completion ended with {last.finish_reason}")
@@ -977,9 +994,21 @@ async def _watch_client(receive: Receive, task: asyncio.Future[Any]) -> None:
             return
 
 
+def _failed(chunk: Chunk) -> ApiError | None:
+    """The error a completion that did not end well is answered with: a failed model run (`error`), or a sequence
+    the engine cut short (`cancelled`: it closed, after the drain's timeout). A client that left cancels its own
+    sequence too, but nothing is sent to it then. None for one that ended well."""
+    if chunk.finish_reason == "error":
+        return ApiError(500, "the model run failed; see the agent log", code="inference_failed", kind="server_error")
+    if chunk.finish_reason == "cancelled":
+        return ApiError(503, "the model's engine closed before the completion ended", code="cancelled",
+                        kind="server_error")  # fmt: skip
+    return None
+
+
 def _finish(chunk: Chunk) -> str:
-    """OpenAI's finish_reason: `stop` or `length`; ours beyond those (cancelled, error) read as `stop`, with the
-    real one in `spillway.finish_reason`."""
+    """OpenAI's finish_reason: `stop` or `length`; ours beyond those (draining) read as `stop`, with the real one in
+    `spillway.finish_reason` (error and cancelled are answered with an error instead, `_failed`)."""
     return "length" if chunk.finish_reason == "length" else "stop"
 
 

@@ -32,6 +32,7 @@ from edge_agent.overflow.breaker import BreakerConfig
 from edge_agent.overflow.forward import Forwarder
 from edge_agent.overflow.jobs import JobStore
 from edge_agent.overflow.queue import AsyncQueue
+from edge_agent.overflow.stream import MAX_EVENT_BYTES, SseEvents, StreamBroken
 from edge_agent.policy.plan import ModelPlan
 from edge_agent.serving.app import InferenceApp
 from edge_agent.serving.models import ModelRegistry
@@ -94,7 +95,8 @@ GATEWAY_ERROR = {"error": {"message": "backend b1 failed mid-stream", "type": "s
 class FakeGateway:
     """A real aiohttp server on loopback in a thread, answering `/v1/chat/completions` as `mode` says: `ok` (two
     chunks, a last one, [DONE]), `drop` (two chunks, then the connection is cut once the test has seen them: `cut`),
-    `error` (two chunks, then the gateway's error event and the end), `refuse` (503 no_backend before any byte)."""
+    `error` (two chunks, then the gateway's error event and the end), `refuse` (503 no_backend before any byte),
+    `busy` (429 as a full TGI answers it, before any byte), `huge` (two chunks, then an event that never ends)."""
 
     def __init__(self) -> None:
         self.mode = "ok"
@@ -124,6 +126,8 @@ class FakeGateway:
             error = {"error": {"message": "no backend serves it", "type": "server_error", "param": None,
                                "code": "no_backend"}}  # fmt: skip
             return web.json_response(error, status=503, headers={"spillway-reason": "no_backend"})
+        if self.mode == "busy":  # TGI's shape: no code a client could read, only the status
+            return web.json_response({"error": "Model is overloaded", "error_type": "overloaded"}, status=429)
         if not body.get("stream"):
             whole = {"id": "chatcmpl-cloud", "object": "chat.completion", "created": 1, "model": TINY_LM,
                      "choices": [{"index": 0, "message": {"role": "assistant", "content": "from the cloud"},
@@ -142,6 +146,8 @@ class FakeGateway:
             return response
         if self.mode == "error":
             await response.write(sse(GATEWAY_ERROR))
+        elif self.mode == "huge":  # no blank line in sight: the agent must not hold it all
+            await response.write(b"data: " + b"x" * (MAX_EVENT_BYTES + 1024))
         else:
             await response.write(sse(chunk("cloud", "stop")) + sse("[DONE]"))
         await response.write_eof()
@@ -340,12 +346,16 @@ def test_an_overflowed_stream_is_relayed_with_the_spillway_chunk_before_done(
     assert outcome == "overflow" and measured["ttft_s"] is not None and measured["ttft_s"] <= measured["duration_s"]
     assert measured["completion_tokens"] == 3  # three chunks carried text
 
-    whole = edge.client().chat.completions.with_raw_response.create(model=TINY_LM, messages=HELLO, max_tokens=4,
-                                                                    extra_body={"priority": 3})  # fmt: skip
+    create = edge.client().chat.completions.with_raw_response.create
+    whole = create(model=TINY_LM, messages=HELLO, max_tokens=4, extra_body={"priority": 3, "timeout": 5_000})
     assert whole.headers["spillway-outcome"] == "overflow"
     parsed = whole.parse()
     assert parsed.choices[0].message.content == "from the cloud"
     assert (parsed.model_extra or {})["spillway"] == {"outcome": "overflow", "backend": "fake-cloud"}
+    # A whole answer's first byte is the whole completion: not held to the first token's 5 ms, but the default.
+    assert int(fake_gateway.seen[-1][0]["spillway-timeout-us"]) > 5_000
+    ((outcome, measured),) = edge.heard.finishes[1:]
+    assert outcome == "overflow" and measured["ttft_s"] is not None  # its first token came with the whole answer
     local = edge.post({"messages": HELLO, "max_tokens": 4, "priority": 1})
     assert local.headers["spillway-outcome"] == "local"  # priority 1 is not overflowed
 
@@ -401,6 +411,50 @@ def test_a_client_leaving_an_overflowed_stream_ends_the_relay_without_blaming_th
         fake_gateway.cut.set()
     assert edge.heard.outcomes == [(3, "overflow")]
     assert forwarder.in_flight == 0 and forwarder.breaker.json()["requests"] == 0  # no verdict either way
+
+
+def test_an_event_over_the_limit_breaks_the_overflowed_stream(edge: Edge, fake_gateway: FakeGateway) -> None:
+    events = SseEvents()
+    assert events.feed(b"data: 1\n\ndata: " + b"x" * (MAX_EVENT_BYTES - 16)) == [(b"data: 1\n\n", "1")]
+    with pytest.raises(StreamBroken, match="over 1 MiB"):  # the rest of an event, never the stream, is bounded
+        events.feed(b"x" * 64)
+
+    fake_gateway.mode = "huge"
+    forwarder = edge.gateway(fake_gateway.url)
+    assert forwarder is not None
+    edge.gate.plan = OVERFLOW_P3
+    _, seen = edge.events({"messages": HELLO, "max_tokens": 4, "priority": 3})
+    assert seen[:2] == [json.dumps(chunk("from ")), json.dumps(chunk("the "))]
+    assert len(seen) == 3 and ends(seen) == seen[2:] and "[DONE]" not in seen
+    error = json.loads(seen[2])["error"]
+    assert error["code"] == "overflow_failed" and "over 1 MiB" in error["message"]
+    assert forwarder.breaker.json()["errors"] == 1 and forwarder.in_flight == 0
+    assert edge.heard.outcomes == [(3, "error")]
+
+
+def test_a_full_cloud_429_is_busy_not_a_failure_of_the_gateway(edge: Edge, fake_gateway: FakeGateway) -> None:
+    fake_gateway.mode = "busy"
+    forwarder = edge.gateway(fake_gateway.url, min_requests=1)
+    assert forwarder is not None
+    edge.gate.plan = OVERFLOW_P3
+    edge.engine.fallback_text = "later"
+    for _ in range(2):
+        answer = edge.post({"messages": HELLO, "max_tokens": 3, "priority": 3, "stream": True})
+        assert answer.headers["spillway-outcome"] == "fallback_default"
+        assert answer.headers["spillway-reason"] == "gateway_429"
+    assert forwarder.breaker.state == "closed" and forwarder.breaker.json()["errors"] == 0
+
+
+def test_refusals_of_a_broken_engine_are_counted_once(edge: Edge) -> None:
+    (instance,) = edge.engine.instances
+    instance.broken = "RuntimeError: a bug of ours (the test's)"
+    refused_before = instance.counts["refused"]
+    try:
+        answer = edge.post({"messages": HELLO, "max_tokens": 2, "priority": 1})
+    finally:
+        instance.broken = None
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "draining"
+    assert edge.heard.outcomes == [(1, "rejected")] and instance.counts["refused"] == refused_before + 1
 
 
 def test_when_overflow_fails_before_a_byte_the_fallbacks_answer_in_order(edge: Edge, fake_gateway: FakeGateway) -> None:
@@ -536,3 +590,61 @@ def test_triton_generate_takes_the_cap_the_shed_and_the_fallbacks_too(edge: Edge
     served = httpx.post(url, json={"text_input": "Hello", "parameters": {"priority": 3, "max_tokens": 2}}, timeout=60)
     assert served.status_code == 200 and served.headers["spillway-outcome"] == "local"
     assert edge.heard.outcomes[-1] == (3, "local")
+
+    edge.gate.plan = ModelPlan(TINY_LM, fallback=Fallback(at_or_below=3, mode="default", default_text="Busy."))
+    edge.heard.outcomes.clear()
+    for stream in (False, True):
+        fallback = httpx.post(url + ("_stream" if stream else ""), json={"text_input": "Hello",
+                              "parameters": {"priority": 3}}, timeout=60)  # fmt: skip
+        assert fallback.status_code == 200 and fallback.headers["spillway-outcome"] == "fallback_default"
+        assert "Busy." in fallback.text
+    assert edge.heard.outcomes == [(3, "fallback_default")] * 2  # each answer counted, and once
+
+
+def test_a_sequence_the_engine_cuts_short_is_an_error_not_a_stop(lm_repo: Path) -> None:
+    """An engine closed with streams running (the drain's timeout passed) ends them `cancelled`: the client gets an
+    error (an error event and no [DONE]; a 503 for a whole answer), never a completion that looks whole."""
+    engine = load_engine(TINY_LM, lm_repo / TINY_LM / "1", GenerationSettings(kv_budget_bytes=16 << 20), threads=1)
+    (instance,) = engine.instances
+    prefill = instance.runner.prefill
+
+    def held(*args: Any, **kwargs: Any) -> Any:  # the first step waits for the close: both sequences still run
+        deadline = time.monotonic() + 30
+        while not instance._stop and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return prefill(*args, **kwargs)
+
+    instance.runner.prefill = held  # type: ignore[method-assign]
+    api = OpenAIApi({TINY_LM: engine}, max_body_bytes=1 << 20, default_max_tokens=32)
+    ask = {"model": TINY_LM, "messages": HELLO, "max_tokens": 16, "ignore_eos": True}
+    answers: dict[str, Any] = {}
+    try:
+        with serving(InferenceApp(ModelRegistry([]), openai=api)) as url:  # type: ignore[arg-type]
+
+            def streamed() -> None:
+                with httpx.stream("POST", f"{url}/v1/chat/completions", json={**ask, "stream": True},
+                                  timeout=60) as answer:  # fmt: skip
+                    answers["events"] = [line[6:] for line in answer.iter_lines() if line.startswith("data: ")]
+                    answers["stream_status"] = answer.status_code
+
+            def whole() -> None:
+                answers["whole"] = httpx.post(f"{url}/v1/chat/completions", json=ask, timeout=60)
+
+            clients = [threading.Thread(target=streamed), threading.Thread(target=whole)]
+            for client in clients:
+                client.start()
+            deadline = time.monotonic() + 30
+            while instance.active < 2:
+                assert time.monotonic() < deadline, "the two requests were not admitted"
+                time.sleep(0.01)
+            engine.close()
+            for client in clients:
+                client.join(timeout=30)
+    finally:
+        engine.close()
+    assert answers["stream_status"] == 200 and "[DONE]" not in answers["events"]
+    assert ends(answers["events"]) == answers["events"][-1:]
+    assert json.loads(answers["events"][-1])["error"]["code"] == "cancelled"
+    whole_answer: httpx.Response = answers["whole"]
+    assert whole_answer.status_code == 503 and whole_answer.json()["error"]["code"] == "cancelled"
+    assert whole_answer.headers["spillway-outcome"] == "error"
