@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from edge_agent.telemetry.live import LiveTelemetry
 
 log = logging.getLogger("spillway.agent.policy")
+RETIRED_WAIT_S = 60.0  # longest a decoder switch waits for the same model's previous pool to finish and close
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,7 @@ class PolicyApplier:
             for name, version in switches:
                 assert load is not None  # _engine_switches refuses a switch without it
                 self.transitions[name] = f"loading v{version}"
+                await self._retired(name)
                 try:
                     loaded[name] = await asyncio.to_thread(load, name, version)
                 except Exception as exc:  # the memory check, a bad graph or config: all refuse the document
@@ -294,6 +296,14 @@ class PolicyApplier:
             for name, _ in switches:
                 self.transitions.pop(name, None)
         return loaded
+
+    async def _retired(self, name: str) -> None:
+        """Wait (at most RETIRED_WAIT_S) until no pool of `name` is still finishing its streams after a switch: it
+        holds its memory until it closes, and a switch back soon after a switch would otherwise load a third copy
+        beside it, which a device sized for one is refused for memory (then the document is retried a minute later)."""
+        deadline = time.monotonic() + RETIRED_WAIT_S
+        while any(pool.name == name for pool in self.retiring_engines) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def _load_all(self, versions: list[ModelVersion]) -> list[LoadedModel]:
         loaded: list[LoadedModel] = []

@@ -266,6 +266,47 @@ def test_a_variant_switch_serves_new_streams_on_v2_while_v1_finishes_its_own(lm_
     assert seen["gauge_after"] == {(("model", TINY_LM),): 0}
 
 
+def test_switching_back_while_the_old_version_drains_waits_for_it_instead_of_loading_a_third_copy(
+    lm_repo: Path, tmp_path: Path
+) -> None:
+    agent = make_agent(lm_repo, tmp_path)
+    applier = agent.applier
+    v1 = agent.engines[TINY_LM]
+    gate = threading.Event()
+    decode = v1.instances[0].runner.decode
+
+    def gated_decode(*args: Any) -> Any:
+        gate.wait(SCENARIO_LIMIT_S)
+        return decode(*args)
+
+    v1.instances[0].runner.decode = gated_decode  # type: ignore[method-assign]
+    load = applier._load_engine
+    assert load is not None
+    beside: list[list[str]] = []  # the pools still finishing when each load began
+
+    def watched_load(name: str, version: int) -> EnginePool:
+        beside.append([pool.version for pool in applier.retiring_engines])
+        return load(name, version)
+
+    applier._load_engine = watched_load
+
+    async def scenario(c: httpx.AsyncClient) -> tuple[bool, bool, list[Chunk]]:
+        held = asyncio.ensure_future(collect(v1.submit(long_request(v1, "Once upon a time", 8))))
+        while v1.json()["running"] < 1:
+            await asyncio.sleep(0.001)
+        assert await apply(agent, document(1, **{TINY_LM: {"variant": 2}}))
+        back = asyncio.ensure_future(apply(agent, document(2)))  # v1 still holds its stream: the revert waits
+        await asyncio.sleep(0.3)
+        waited = not back.done() and applier.retiring_engines == [v1]
+        gate.set()
+        return waited, await back, await held
+
+    waited, applied, chunks = run(agent, scenario)
+    assert waited and applied  # not refused: it waited for v1 to close, then loaded v1 again
+    assert beside == [[], []]  # neither load began beside a pool still draining
+    assert ended_once(chunks) and agent.engines[TINY_LM].version == "1"
+
+
 def test_a_decoder_version_that_cannot_load_refuses_the_document_and_keeps_serving(
     lm_repo: Path, tmp_path: Path
 ) -> None:
