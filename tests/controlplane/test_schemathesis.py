@@ -34,8 +34,9 @@ from tests.conftest import make_keys
 from tests.utils.builders import BUILDERS
 from tests.utils.server import serving
 
-SEEDS = (20261130, 1, 2)  # 20261130: the run of issue 11 that found a 500 in PATCH /api/v1/slos/{id}
-EXAMPLES = 10  # per operation, seed and mode: 3 x 10 x 2 modes per operation, in bounded time
+SEEDS = (20261130, 1)  # 20261130: the run of issue 11 that found a 500 in PATCH /api/v1/slos/{id}
+EXAMPLES = 10  # per operation, seed and mode: 2 x 10 x 2 modes per operation, in bounded time (a third seed cost
+# 40 s of CI's 15-minute budget, which the generative end-to-end act needed)
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
