@@ -154,7 +154,8 @@ class FakeGateway:
         return response
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
+        self.cut.set()  # a `drop` answer whose client left before the cut (nobody set it) ends now, not in 30 s
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
