@@ -8,10 +8,34 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.types import Send
+
+from controlplane.errors import SpillwayError
 from controlplane.gateway.backend import BackendSpec, BackendState
 from controlplane.monitoring import GatewayMetrics
 
 RETRIABLE_STATUS = frozenset({502, 503, 504})
+INLINE_JSON = 256 << 10  # request JSON up to this size is parsed on the event loop
+DEADLINE_MARGIN_S, DEADLINE_MARGIN_SHARE = 0.010, 0.1  # kept back from the backend's share of the deadline
+JSON = b"application/json"
+
+
+async def refuse(send: Send, exc: SpillwayError, body: bytes) -> None:
+    """Answer `exc` with `body` (each path's own error shape): the status, the code in `spillway-reason`, and the
+    headers that go with it (WWW-Authenticate on a 401, Retry-After on a 503, who was tried last after attempts)."""
+    headers = [(b"content-type", JSON), (b"content-length", str(len(body)).encode()),
+               (b"spillway-reason", exc.code.encode())]  # fmt: skip
+    if exc.status_code == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    elif exc.status_code == 503:
+        headers.append((b"retry-after", b"1"))
+    elif exc.status_code == 413:
+        headers.append((b"connection", b"close"))  # the rest of the body is not read
+    if isinstance(exc.details, dict) and "attempts" in exc.details:
+        headers += [(b"spillway-backend", str(exc.details["last_backend"]).encode()),
+                    (b"spillway-attempts", str(exc.details["attempts"]).encode())]  # fmt: skip
+    await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 @dataclass(frozen=True)

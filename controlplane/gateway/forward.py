@@ -26,6 +26,10 @@ from starlette.types import Message, Receive, Scope, Send
 from controlplane.db.models import utcnow
 from controlplane.errors import InvalidRequest, SpillwayError
 from controlplane.gateway.attempt import (
+    DEADLINE_MARGIN_S,
+    DEADLINE_MARGIN_SHARE,
+    INLINE_JSON,
+    JSON,
     RETRIABLE_STATUS,
     Attempt,
     Failure,
@@ -33,6 +37,7 @@ from controlplane.gateway.attempt import (
     Instruments,
     answer_headers,
     failure_details,
+    refuse,
 )
 from controlplane.gateway.backend import BackendSpec, BackendState
 from controlplane.gateway.budget import RetryBudget
@@ -52,15 +57,12 @@ from spillway.contract.v2 import ClientGone
 log = logging.getLogger("spillway.controlplane.gateway")
 
 _ERROR_BODY_LIMIT = 64 << 10  # a retriable error's body is kept (to pass on if it is the last) up to this
-_INLINE_JSON = 256 << 10  # request JSON up to this size is parsed on the event loop
 _SLACK_S = 0.0005  # less time than this left: no attempt is worth starting
 _VERSION = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _PASSED_ON = frozenset(
     {b"content-type", b"content-length", b"content-encoding", b"inference-header-content-length", b"retry-after",
      b"spillway-reason", b"spillway-outcome"}
 )  # fmt: skip
-_JSON = b"application/json"
-DEADLINE_MARGIN_S, DEADLINE_MARGIN_SHARE = 0.010, 0.1  # kept back from the backend's share of the deadline
 
 
 @dataclass
@@ -240,14 +242,14 @@ class Gateway:
         parameter = None
         if not compressed:
             head = body if length is None else body[:length]
-            if len(head) <= _INLINE_JSON:
+            if len(head) <= INLINE_JSON:
                 parameter = timeout_parameter_us(head)
             else:
                 parameter = await to_thread.run_sync(timeout_parameter_us, head)
         limit_us = deadline_us(timeout_header_us(timeout), parameter)
         await self.catalog.current(model)
 
-        headers = {"Content-Type": (content_type or (_JSON if length is None else b"application/octet-stream"))
+        headers = {"Content-Type": (content_type or (JSON if length is None else b"application/octet-stream"))
                    .decode("latin-1")}  # fmt: skip
         if length is not None:
             headers["Inference-Header-Content-Length"] = str(length)
@@ -365,7 +367,7 @@ class Gateway:
                     except TranslationError as exc:
                         failure, error = "bad_response", str(exc)[:300]
                         raise BadBackendResponse(f"backend '{spec.name}': {exc}", {"backend": spec.name}) from None
-                    ctype = b"application/octet-stream" if length is not None else _JSON
+                    ctype = b"application/octet-stream" if length is not None else JSON
                     extra += [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
                     if length is not None:
                         extra.append((b"inference-header-content-length", str(length).encode()))
@@ -409,20 +411,7 @@ class Gateway:
 
     async def _refuse(self, send: Send, exc: SpillwayError) -> None:
         self.metrics.rejected.labels(exc.code).inc()
-        body = orjson.dumps({"error": exc.code, "message": exc.message, "details": exc.details})
-        headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode()),
-                   (b"spillway-reason", exc.code.encode())]  # fmt: skip
-        if exc.status_code == 401:
-            headers.append((b"www-authenticate", b"Bearer"))
-        elif exc.status_code == 503:
-            headers.append((b"retry-after", b"1"))
-        elif exc.status_code == 413:
-            headers.append((b"connection", b"close"))  # the rest of the body is not read
-        if isinstance(exc.details, dict) and "attempts" in exc.details:
-            headers += [(b"spillway-backend", str(exc.details["last_backend"]).encode()),
-                        (b"spillway-attempts", str(exc.details["attempts"]).encode())]  # fmt: skip
-        await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await refuse(send, exc, orjson.dumps({"error": exc.code, "message": exc.message, "details": exc.details}))
 
     # ---- status -----------------------------------------------------------------------------------
 

@@ -31,7 +31,16 @@ from anyio import to_thread
 from starlette.types import Message, Receive, Scope, Send
 
 from controlplane.errors import InvalidRequest, SpillwayError
-from controlplane.gateway.attempt import RETRIABLE_STATUS, Failure, answer_headers, failure_details
+from controlplane.gateway.attempt import (
+    DEADLINE_MARGIN_S,
+    DEADLINE_MARGIN_SHARE,
+    INLINE_JSON,
+    RETRIABLE_STATUS,
+    Failure,
+    answer_headers,
+    failure_details,
+    refuse,
+)
 from controlplane.gateway.backend import BackendSpec, BackendState
 from controlplane.gateway.deadline import read_body, timeout_header_us
 from controlplane.gateway.errors import BackendUnavailable, BadBackendResponse, InvalidModelName, NoCapacity, Refusal
@@ -44,14 +53,11 @@ log = logging.getLogger("spillway.controlplane.gateway")
 
 PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 PROTOCOL = "openai"
-_INLINE_JSON = 256 << 10  # request JSON up to this size is parsed on the event loop
 _WATCHED_MESSAGES = 1000  # messages after the body before the watcher stops watching a server that sends them
 _HOLD_LIMIT = 1 << 20  # an unfinished server-sent event held back longer than this is passed on as it is
-_DEADLINE_MARGIN_S, _DEADLINE_MARGIN_SHARE = 0.010, 0.1  # kept back from the backend's share of the deadline
 _PASSED_ON = frozenset(
     {b"content-type", b"content-encoding", b"cache-control", b"retry-after", b"spillway-reason", b"spillway-outcome"}
 )  # not content-length: a body cut off mid-answer ends with an error event the length would not allow
-_JSON = b"application/json"
 _EVENT_STREAM = b"text/event-stream"
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 _TOO_MANY = 429  # a backend at its concurrency limit (TGI, vLLM behind a router): busy
@@ -216,7 +222,7 @@ class OpenAIRelay:
                 accept = value
         await gateway.tokens.check(authorization)
         body = await read_body(receive, declared, gateway.config.max_body_bytes)
-        doc = _parse(body) if len(body) <= _INLINE_JSON else await to_thread.run_sync(_parse, body)
+        doc = _parse(body) if len(body) <= INLINE_JSON else await to_thread.run_sync(_parse, body)
         model = doc.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidRequest("model: required, the name of the model (a string)", {"param": "model"})
@@ -237,7 +243,7 @@ class OpenAIRelay:
         try:
             payload = call.payload(spec)
             # A Spillway agent in cloud role refuses at once what it cannot start in time (see forward.py).
-            margin = min(_DEADLINE_MARGIN_S, timeout_s * _DEADLINE_MARGIN_SHARE)
+            margin = min(DEADLINE_MARGIN_S, timeout_s * DEADLINE_MARGIN_SHARE)
             headers = {"Content-Type": "application/json",
                        "Spillway-Timeout-Us": str(max(1, int((timeout_s - margin) * 1e6)))}  # fmt: skip
             if call.accept is not None:
@@ -346,20 +352,7 @@ class OpenAIRelay:
 
     async def _refuse(self, send: Send, exc: SpillwayError) -> None:
         self.gateway.metrics.rejected.labels(exc.code).inc()
-        body = orjson.dumps(openai_error(exc))
-        headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode()),
-                   (b"spillway-reason", exc.code.encode())]  # fmt: skip
-        if exc.status_code == 401:
-            headers.append((b"www-authenticate", b"Bearer"))
-        elif exc.status_code == 503:
-            headers.append((b"retry-after", b"1"))
-        elif exc.status_code == 413:
-            headers.append((b"connection", b"close"))  # the rest of the body is not read
-        if isinstance(exc.details, dict) and "attempts" in exc.details:
-            headers += [(b"spillway-backend", str(exc.details["last_backend"]).encode()),
-                        (b"spillway-attempts", str(exc.details["attempts"]).encode())]  # fmt: skip
-        await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await refuse(send, exc, orjson.dumps(openai_error(exc)))
 
 
 def _uncancel(task: asyncio.Task[Any] | None) -> None:

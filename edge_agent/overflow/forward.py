@@ -97,20 +97,13 @@ class Forwarder:
         self, path: str, body: bytes, headers: dict[str, str], remaining_s: float | None
     ) -> Forwarded | NotForwarded:
         """Send `body` to `path` on the gateway within `remaining_s` (None: the default timeout)."""
-        if self.in_flight >= self.max_in_flight:
-            return self._fail("overflow_busy", f"{self.in_flight} requests are already overflowing (the cap)")
         budget = self.default_timeout_s if remaining_s is None else remaining_s
-        if budget <= 0.001:
-            return self._fail("deadline_passed", "no time is left of the request's deadline to overflow it")
-        if not self.breaker.allow():
-            return self._fail("breaker_open", "the overflow breaker is open: the gateway failed or was slow lately",
-                              retry_after_s=max(1.0, self.breaker.config.open_s))  # fmt: skip
+        refused = self._refused(budget)
+        if refused is not None:
+            return refused
         import aiohttp
 
-        # The gateway gets the deadline less a margin, so that it says "too late" (504, the cloud was busy) before
-        # this side gives up on it (a timeout here means the gateway itself did not answer: a failure).
-        margin = min(MARGIN_S, budget * MARGIN_SHARE)
-        sent = {**headers, "authorization": self._auth, "spillway-timeout-us": str(int((budget - margin) * 1e6))}
+        sent = self._headers(headers, budget)
         self.in_flight += 1
         self.sent += 1
         started = self._clock()
@@ -158,18 +151,13 @@ class Forwarder:
         """Send `body` to `path` on the gateway and wait for the first bytes of its answer's body within
         `first_byte_s` (None: the default timeout); then the caller reads the rest (`ForwardedStream.rest`) and
         ends it with `finish`. Between chunks the stream may be silent `idle_s` (None: the default timeout)."""
-        if self.in_flight >= self.max_in_flight:
-            return self._fail("overflow_busy", f"{self.in_flight} requests are already overflowing (the cap)")
         budget = self.default_timeout_s if first_byte_s is None else first_byte_s
-        if budget <= 0.001:
-            return self._fail("deadline_passed", "no time is left of the request's deadline to overflow it")
-        if not self.breaker.allow():
-            return self._fail("breaker_open", "the overflow breaker is open: the gateway failed or was slow lately",
-                              retry_after_s=max(1.0, self.breaker.config.open_s))  # fmt: skip
+        refused = self._refused(budget)
+        if refused is not None:
+            return refused
         import aiohttp
 
-        margin = min(MARGIN_S, budget * MARGIN_SHARE)
-        sent = {**headers, "authorization": self._auth, "spillway-timeout-us": str(int((budget - margin) * 1e6))}
+        sent = self._headers(headers, budget)
         idle = self.default_timeout_s if idle_s is None else idle_s
         self.in_flight += 1
         self.sent += 1
@@ -222,6 +210,25 @@ class Forwarder:
                 if response is not None:
                     response.close()
                 done()
+
+    def _refused(self, budget_s: float) -> NotForwarded | None:
+        """Why an overflow is not even tried now, without a round trip: the cap on overflows in flight, no time left,
+        the open breaker (asked last: a half-open breaker's `allow` takes its one probe)."""
+        if self.in_flight >= self.max_in_flight:
+            return self._fail("overflow_busy", f"{self.in_flight} requests are already overflowing (the cap)")
+        if budget_s <= 0.001:
+            return self._fail("deadline_passed", "no time is left of the request's deadline to overflow it")
+        if not self.breaker.allow():
+            return self._fail("breaker_open", "the overflow breaker is open: the gateway failed or was slow lately",
+                              retry_after_s=max(1.0, self.breaker.config.open_s))  # fmt: skip
+        return None
+
+    def _headers(self, headers: dict[str, str], budget_s: float) -> dict[str, str]:
+        """`headers` with the agent's token and the deadline less a margin, so that the gateway says "too late" (504,
+        the cloud was busy) before this side gives up on it (a timeout here means the gateway itself did not answer:
+        a failure)."""
+        margin = min(MARGIN_S, budget_s * MARGIN_SHARE)
+        return {**headers, "authorization": self._auth, "spillway-timeout-us": str(int((budget_s - margin) * 1e6))}
 
     def _fail(self, reason: str, message: str, retry_after_s: float = 1.0) -> NotForwarded:
         self.failed[reason] = self.failed.get(reason, 0) + 1

@@ -552,7 +552,7 @@ class OpenAIApi:
 
         relaying = asyncio.ensure_future(relay(opened, write, spillway, kind=ask.kind, model=ask.engine.name,
                                                clock=time.monotonic))  # fmt: skip
-        watcher = asyncio.ensure_future(_watch_client(receive, relaying))
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, relaying))
         try:
             relayed = await relaying
         except asyncio.CancelledError:
@@ -840,14 +840,7 @@ class OpenAIApi:
         if outcome is None:
             self._remember(ask, text, last)
         said = outcome or _outcome(last)
-        reason = _finish(last)
-        choice: dict[str, Any] = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-            if ask.chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        )  # fmt: skip
-        body = {"id": ask.ident, "object": "chat.completion" if ask.chat else "text_completion",
-                "created": int(time.time()), "model": ask.engine.name, "choices": [choice], "usage": _usage(last),
-                names.OPENAI_FIELD: self._spillway(ask, said, last, spillway)}  # fmt: skip
+        body = _completion_body(ask, text, last, self._spillway(ask, said, last, spillway))
         await _respond(send, 200, json.dumps(body).encode(),
                        extra=[(_OUTCOME, said.encode()), *ask.headers(), *(extra or [])])  # fmt: skip
 
@@ -951,15 +944,8 @@ class _GenerativeJobs:
             raise ExecutionFailed(f"the completion ended with {last.finish_reason}")
         text = "".join(c.text for c in chunks)
         self.api._remember(ask, text, last)
-        reason = _finish(last)
-        choice: dict[str, Any] = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-            if ask.chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        )  # fmt: skip
-        body = {"id": ask.ident, "object": "chat.completion" if ask.chat else "text_completion",
-                "created": int(time.time()), "model": ask.engine.name, "choices": [choice], "usage": _usage(last),
-                names.OPENAI_FIELD: {"outcome": names.QUEUED_ASYNC, "job_id": job_id,
-                                     "finish_reason": last.finish_reason}}  # fmt: skip
+        spillway = {"outcome": names.QUEUED_ASYNC, "job_id": job_id, "finish_reason": last.finish_reason}
+        body = _completion_body(ask, text, last, spillway)
         return json.dumps(body).encode()
 
 
@@ -983,15 +969,6 @@ def _usage_of(completion: Completion) -> dict[str, int]:
 
 def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
-
-
-async def _watch_client(receive: Receive, task: asyncio.Future[Any]) -> None:
-    """Cancel `task` (a relay) when its client leaves."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            task.cancel()
-            return
 
 
 def _failed(chunk: Chunk) -> ApiError | None:
@@ -1021,10 +998,22 @@ def _usage(chunk: Chunk) -> dict[str, int]:
             "total_tokens": chunk.prompt_tokens + chunk.completion_tokens}  # fmt: skip
 
 
-async def _watch_disconnect(receive: Receive, stream: Stream) -> None:
-    """Cancel the stream's sequence when its client leaves."""
+async def _watch_disconnect(receive: Receive, work: Stream | asyncio.Future[Any]) -> None:
+    """Cancel `work` when its client leaves: a stream's sequence (its KV blocks free at the next step), or a relay."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            stream.cancel()
+            work.cancel()
             return
+
+
+def _completion_body(ask: _Ask, text: str, last: Chunk, spillway: dict[str, Any]) -> dict[str, Any]:
+    """A whole completion in OpenAI's shape (chat or text), with Spillway's field saying how it was answered."""
+    reason = _finish(last)
+    choice: dict[str, Any] = (
+        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        if ask.chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    )  # fmt: skip
+    return {"id": ask.ident, "object": "chat.completion" if ask.chat else "text_completion",
+            "created": int(time.time()), "model": ask.engine.name, "choices": [choice], "usage": _usage(last),
+            names.OPENAI_FIELD: spillway}  # fmt: skip
