@@ -387,6 +387,11 @@ def test_a_gateway_failing_mid_stream_ends_it_with_one_error_event_never_done(ed
             if seen == 2 and mode == "drop":
                 fake_gateway.cut.set()
     assert forwarder.breaker.json()["errors"] == 2
+    # The agent counts the second stream's outcome as its relay ends, which may be after the client raised: wait for
+    # it here, or it lands in the next test's listener (the engine is shared) as a second outcome there.
+    deadline = time.monotonic() + 30
+    while len(edge.heard.outcomes) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_a_client_leaving_an_overflowed_stream_ends_the_relay_without_blaming_the_gateway(
