@@ -99,6 +99,18 @@ class GenerationSettings(BaseModel):
         return self
 
 
+class OtlpEndpoint(BaseModel):
+    """One OTLP metrics destination with its own headers (an API key: never logged) and protocol."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str = Field(min_length=1, description="the full metrics URL (http/protobuf) or host:port URL (grpc)")
+    headers: dict[str, str] = Field(default_factory=dict, description="sent with every export")
+    protocol: Literal["http/protobuf", "grpc"] = Field(
+        default="http/protobuf", description="grpc needs spillway[otlp-grpc]"
+    )
+
+
 class AgentConfig(BaseModel):
     """Everything `spillway agent serve` needs; field names are the YAML keys."""
 
@@ -106,7 +118,13 @@ class AgentConfig(BaseModel):
 
     model_repository: Path
     host: str = "127.0.0.1"
-    port: int = Field(default=8001, ge=0, le=65535)
+    # Triton's ports: HTTP 8000, gRPC 8001 (Triton's metrics port 8002 is not used: /metrics is on the HTTP port).
+    # Until 0.2 the HTTP default was 8001; an agent whose config sets no `port` still answers HTTP/1.1 there for one
+    # release (the legacy listener tells gRPC from HTTP/1.1 by the connection's first bytes).
+    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (V2, OpenAI, /metrics)")
+    grpc_port: int | None = Field(
+        default=8001, ge=0, le=65535, description="V2 gRPC port (needs spillway[grpc]); null: no gRPC"
+    )
     token: SecretStr | None = Field(default=None, description="bearer token the inference API requires")
     allow_unauthenticated: bool = False
     max_body_bytes: int = Field(default=64 << 20, gt=0)
@@ -127,7 +145,11 @@ class AgentConfig(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     control_plane: str | None = Field(default=None, description="control plane base URL: metrics to /v1/metrics")
     agent_token: SecretStr | None = Field(default=None, description="the agent's token from the control plane")
-    otlp_endpoints: list[str] = Field(default_factory=list, description="more OTLP/HTTP metrics endpoints")
+    otlp_endpoints: list[str | OtlpEndpoint] = Field(
+        default_factory=list,
+        description="more OTLP metrics endpoints (a URL, or {endpoint, headers, protocol}); default: the standard "
+        "OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT variables",
+    )
     export_interval_s: float = Field(default=5.0, gt=0)
     latency_buckets_ms: list[float] = Field(
         default_factory=lambda: list(DEFAULT_LATENCY_BUCKETS_MS),

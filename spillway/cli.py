@@ -149,7 +149,7 @@ def create_key(
 @app.command()
 def demo(
     port: Annotated[int, typer.Option(help="control plane port")] = 8400,
-    agent_port: Annotated[int, typer.Option(help="edge agent port")] = 8001,
+    agent_port: Annotated[int, typer.Option(help="edge agent HTTP port")] = 8000,
     dashboard_port: Annotated[int, typer.Option(help="web dashboard port (0: no dashboard)")] = 8501,
     data_dir: Annotated[str, typer.Option(help="where the demo keeps its database")] = ".spillway-demo",
     once: Annotated[bool, typer.Option(help="seed, print, and stop instead of serving until Ctrl-C")] = False,
@@ -189,7 +189,8 @@ def dashboard(
 def agent_serve(
     model_repository: Annotated[Path | None, typer.Option(help="Triton-layout model repository")] = None,
     host: Annotated[str | None, typer.Option(help="listen address (default 127.0.0.1)")] = None,
-    port: Annotated[int | None, typer.Option(help="listen port (default 8001)")] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port (default 8000)")] = None,
+    grpc_port: Annotated[int | None, typer.Option(help="V2 gRPC port (default 8001; -1: no gRPC)")] = None,
     config: Annotated[Path | None, typer.Option(help="agent config YAML")] = None,
     allow_unauthenticated: Annotated[
         bool, typer.Option(help="serve beyond loopback without a token (not recommended)")
@@ -215,12 +216,15 @@ def agent_serve(
     try:
         agent = AgentConfig.load(
             config, model_repository=model_repository, host=host, port=port,
+            grpc_port=None if grpc_port == -1 else grpc_port,
             allow_unauthenticated=allow_unauthenticated or None, control_plane=control_plane,
             agent_token=agent_token,
         )  # fmt: skip
     except (ValidationError, ValueError, OSError) as exc:
         typer.echo(f"error: invalid agent config: {exc}", err=True)
         raise typer.Exit(2) from None
+    if grpc_port == -1:
+        agent = agent.model_copy(update={"grpc_port": None})
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per policy poll; failures log on their own
     from edge_agent.serving.server import build_registry, serve
@@ -257,7 +261,7 @@ def build_demo(
 
 @agent_app.command("burst")
 def agent_burst(
-    url: Annotated[str, typer.Option(help="the agent's base URL")] = "http://127.0.0.1:8001",
+    url: Annotated[str, typer.Option(help="the agent's base URL")] = "http://127.0.0.1:8000",
     model: Annotated[str, typer.Option(help="model name")] = "mlp",
     version: Annotated[str, typer.Option(help="model version")] = "1",
     requests: Annotated[int, typer.Option(min=1, max=100_000, help="how many requests")] = 600,

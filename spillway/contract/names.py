@@ -45,11 +45,16 @@ ATTR_GENAI_MODEL = "gen_ai.request.model"
 ATTR_GENAI_OPERATION = "gen_ai.operation.name"  # chat | text_completion
 ATTR_GENAI_TOKEN_TYPE = "gen_ai.token.type"  # noqa: S105 (an attribute name): input or output
 
-# Attributes on the points and on the resource.
-ATTR_MODEL = "model"
-ATTR_VERSION = "model.version"
-ATTR_PRIORITY = "priority"
-ATTR_OUTCOME = "outcome"
+# Attributes on the points and on the resource: namespaced, as OTel's naming rules ask (semconv names where they
+# exist: the gen_ai.* ones above).
+ATTR_MODEL = "spillway.model"
+ATTR_VERSION = "spillway.model.version"
+ATTR_PRIORITY = "spillway.priority"
+ATTR_OUTCOME = "spillway.outcome"
+ATTR_POLICY_SOURCE = "spillway.policy.source"
+# The names agents before 0.2 sent; the control plane reads them as the new ones for one release (then drop this).
+LEGACY_ATTRIBUTES = {"model": ATTR_MODEL, "model.version": ATTR_VERSION, "priority": ATTR_PRIORITY,
+                     "outcome": ATTR_OUTCOME, "policy.source": ATTR_POLICY_SOURCE}  # fmt: skip
 ATTR_DEVICE_CLASS = "spillway.device.class"
 SERVICE_NAME = "spillway-edge-agent"
 
@@ -113,6 +118,7 @@ __all__ = [
     "ATTR_GENAI_TOKEN_TYPE",
     "ATTR_MODEL",
     "ATTR_OUTCOME",
+    "ATTR_POLICY_SOURCE",
     "ATTR_PRIORITY",
     "ATTR_VERSION",
     "BATCH_SIZE",
@@ -149,10 +155,12 @@ __all__ = [
     "H_VARIANT",
     "KV_BLOCKS_TOTAL",
     "KV_BLOCKS_USED",
+    "LEGACY_ATTRIBUTES",
     "LOCAL",
     "OPENAI_FIELD",
     "OUTCOMES",
     "OVERFLOW",
+    "Outcome",
     "POLICY_REFUSALS",
     "POLICY_VERSION",
     "PREEMPTIONS",
@@ -162,10 +170,9 @@ __all__ = [
     "REJECTED",
     "REQUESTS",
     "REQUEST_DURATION",
+    "Reason",
     "SERVICE_NAME",
     "STEP_TOKENS",
     "STEP_TOKEN_BUCKETS",
     "TEMPERATURE",
-    "Outcome",
-    "Reason",
 ]

@@ -28,6 +28,8 @@ class RunningAgent:
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
+    grpc: str = ""  # host:port of its V2 gRPC endpoint
+
 
     def stats(self, version: str) -> dict[str, Any]:
         response = httpx.get(f"{self.url}/v2/models/mlp/versions/{version}/stats", timeout=10)
@@ -50,8 +52,9 @@ def start_agent(repo: Path, workdir: Path, **settings: Any) -> RunningAgent:
     """`spillway agent serve` as its own process (as in production: no GIL shared with the test's clients)."""
     port = free_port()
     config = workdir / f"agent-{port}.yaml"
-    # Each agent caches policies in its own state directory unless the test shares one (a restart).
-    settings = {"state_dir": str(workdir / f"state-{port}"), **settings}
+    # Each agent caches policies in its own state directory unless the test shares one (a restart); each has its own
+    # gRPC port (the default, 8001, would be taken by the first).
+    settings = {"state_dir": str(workdir / f"state-{port}"), "grpc_port": free_port(), **settings}
     config.write_text(yaml.safe_dump({"model_repository": str(repo), "port": port, **settings}))
     log = workdir / f"agent-{port}.log"
     with log.open("wb") as out:
@@ -66,7 +69,8 @@ def start_agent(repo: Path, workdir: Path, **settings: Any) -> RunningAgent:
         assert proc.poll() is None, log.read_text()
         try:
             if httpx.get(f"{url}/v2/health/ready", headers=headers, timeout=1).status_code == 200:
-                return RunningAgent(url, proc, log)
+                grpc = f"127.0.0.1:{settings['grpc_port']}" if settings["grpc_port"] else ""
+                return RunningAgent(url, proc, log, grpc)
         except httpx.TransportError:
             pass
         assert time.monotonic() < deadline, f"agent not ready: {log.read_text()}"
