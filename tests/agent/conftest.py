@@ -30,7 +30,6 @@ class RunningAgent:
     log: Path
     grpc: str = ""  # host:port of its V2 gRPC endpoint
 
-
     def stats(self, version: str) -> dict[str, Any]:
         response = httpx.get(f"{self.url}/v2/models/mlp/versions/{version}/stats", timeout=10)
         return dict(response.json()["model_stats"][0])
