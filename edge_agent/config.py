@@ -231,14 +231,26 @@ class AgentConfig(BaseModel):
 
     @classmethod
     def load(cls, path: Path | None, **overrides: Any) -> AgentConfig:
+        """The settings of the YAML file `path` with the command line's `overrides` on top (None: not given).
+
+        Raises:
+            AgentConfigError: one line per problem, naming the file, line and key (or the option) and the fix.
+        """
+        from pydantic import ValidationError
+
+        from edge_agent.config_errors import SettingsSource, describe_validation, read_settings
+
         data: dict[str, Any] = {}
+        document: yaml.Node | None = None
         if path is not None:
-            loaded = yaml.safe_load(path.read_text()) or {}
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{path}: expected a mapping of settings")
-            data.update(loaded)
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.model_validate(data)
+            data, document = read_settings(path)
+        given = {k: v for k, v in overrides.items() if v is not None}
+        try:
+            return cls.model_validate({**data, **given})
+        except ValidationError as exc:
+            source = SettingsSource(str(path) if path is not None else None, document, frozenset(overrides),
+                                    frozenset(given))  # fmt: skip
+            raise describe_validation(exc, cls, source) from exc
 
 
 def default_state_dir() -> Path:

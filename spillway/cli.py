@@ -25,17 +25,26 @@ app.add_typer(models_app, name="models")
 
 
 def _settings(**overrides: Any) -> Settings:
+    import re
+
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from controlplane.settings import Settings
+    from edge_agent.config_errors import plain_message
 
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         for err in exc.errors():
             field = ".".join(str(p) for p in err["loc"])
-            name = f"SPILLWAY_{field.upper()}: " if field else ""
-            typer.echo(f"error: invalid setting {name}{err['msg']}", err=True)
+            name = f"invalid setting SPILLWAY_{field.upper()}: " if field else ""
+            typer.echo(f"error: {name}{plain_message(err, Settings)}", err=True)
+        raise typer.Exit(2) from None
+    except SettingsError as exc:  # a list or mapping variable that is not JSON
+        found = re.search(r'field "(\w+)"', str(exc))
+        name = f"SPILLWAY_{found.group(1).upper()}" if found else "a SPILLWAY_ variable"
+        typer.echo(f"error: invalid setting {name}: not valid JSON (e.g. [1, 5, 10])", err=True)
         raise typer.Exit(2) from None
 
 
@@ -206,9 +215,8 @@ def agent_serve(
     """Serve the models of a repository over the Open Inference Protocol (KServe V2)."""
     import logging
 
-    from pydantic import ValidationError
-
     from edge_agent.config import AgentConfig
+    from edge_agent.config_errors import AgentConfigError
     from edge_agent.runtime.config import ModelConfigError
     from edge_agent.runtime.gpu import GpuMemoryError
     from edge_agent.runtime.runner import RunnerError
@@ -220,8 +228,9 @@ def agent_serve(
             allow_unauthenticated=allow_unauthenticated or None, control_plane=control_plane,
             agent_token=agent_token,
         )  # fmt: skip
-    except (ValidationError, ValueError, OSError) as exc:
-        typer.echo(f"error: invalid agent config: {exc}", err=True)
+    except AgentConfigError as exc:  # one plain line per problem: file, line, key and the fix
+        for line in exc.lines:
+            typer.echo(f"error: {line}", err=True)
         raise typer.Exit(2) from None
     if grpc_port == -1:
         agent = agent.model_copy(update={"grpc_port": None})
@@ -252,11 +261,19 @@ def build_demo(
     """Write the demo repository: model `mlp`, v1 full (512-4096-4096-1000) and v2 lite (512-1024-1024-1000), and the
     decoder `tiny-lm` (v1 3 layers, v2 lite 1 layer) with its byte-level tokenizer and chat template. With `--size
     bench`, only the decoder `tiny-lm-bench` v1 instead (width 512, 4 layers, 8 heads, 4 KV heads, context 1024; the
-    same tokenizer and template), on which the model's compute dominates a step."""
+    same tokenizer and template), on which the model's compute dominates a step. Each version is named on stderr as
+    it is written."""
     from spillway.demo.models import build_bench_repository, build_demo_repository
 
-    root = build_bench_repository(out) if size == "bench" else build_demo_repository(out)
-    typer.echo(str(root))
+    def built(line: str) -> None:
+        typer.echo(f"built {line}", err=True)
+
+    typer.echo(f"building the {size} model repository in {out} (seeded weights, no downloads)", err=True)
+    if size == "bench":
+        root = build_bench_repository(out, progress=built)
+    else:
+        root = build_demo_repository(out, progress=built)
+    typer.echo(f"wrote {root} (serve it: spillway agent serve --model-repository {root})")
 
 
 @agent_app.command("burst")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -17,6 +18,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     import onnx
+
+    from spillway.demo.tiny_lm import DecoderShape
 
 MODEL_NAME = "mlp"
 INPUT_DIM = 512
@@ -47,7 +50,7 @@ class DemoVariant:
     def describe(self) -> str:
         widths = " -> ".join(str(w) for w in self.layers)
         mib = self.parameters * 4 / 2**20
-        return f"{MODEL_NAME} v{self.version} ({self.label}): {widths}, ReLU, FP32, {mib:.0f} MiB"
+        return f"{MODEL_NAME} v{self.version} ({self.label}): MLP {widths}, ReLU, FP32, {mib:.0f} MiB"
 
 
 DEMO_VARIANTS = (
@@ -139,21 +142,45 @@ def build_mlp(variant: DemoVariant, *, seed: int = SEED) -> onnx.ModelProto:
     return model
 
 
-def build_demo_repository(out: Path, *, seed: int = SEED, generative: bool = True) -> Path:
+def build_demo_repository(
+    out: Path, *, seed: int = SEED, generative: bool = True, progress: Callable[[str], None] | None = None
+) -> Path:
     """Write `out/mlp/{config.pbtxt,1/model.onnx,2/model.onnx}` and (unless `generative` is False) the decoder
-    `out/tiny-lm/{config.pbtxt,1,2}/` (v2 the lite one), replacing earlier builds; returns `out`."""
+    `out/tiny-lm/{config.pbtxt,1,2}/` (v2 the lite one), replacing earlier builds; returns `out`. `progress` is
+    told each model version as it is written (`mlp v1 (full): ..., 88 MiB`)."""
     model_dir = out / MODEL_NAME
     for variant in DEMO_VARIANTS:
         model = build_mlp(variant, seed=seed)
         _write_atomically(model_dir / str(variant.version) / "model.onnx", model.SerializeToString())
+        if progress is not None:
+            progress(variant.describe())
     _write_atomically(model_dir / "config.pbtxt", CONFIG_PBTXT.encode())
     if generative:
-        from spillway.demo.tiny_lm import TINY, TINY_LITE, TINY_LM, build_tiny_lm_version
+        from spillway.demo.tiny_lm import TINY, TINY_LITE, TINY_LM
 
-        build_tiny_lm_version(out / TINY_LM, 1, TINY, seed=seed)
-        build_tiny_lm_version(out / TINY_LM, 2, TINY_LITE, seed=seed)
+        _build_decoder(out, TINY_LM, 1, "", TINY, seed, progress)
+        _build_decoder(out, TINY_LM, 2, "lite", TINY_LITE, seed, progress)
         _write_atomically(out / TINY_LM / "config.pbtxt", TINY_LM_CONFIG.encode())
     return out
+
+
+def _build_decoder(out: Path, name: str, version: int, label: str, shape: DecoderShape, seed: int,
+                   progress: Callable[[str], None] | None) -> None:  # fmt: skip
+    """Write one decoder version (`out/<name>/<version>/`) and tell `progress` what it is."""
+    from spillway.demo.tiny_lm import build_tiny_lm_version
+
+    folder = build_tiny_lm_version(out / name, version, shape, seed=seed)
+    if progress is not None:
+        tag = f" ({label})" if label else ""
+        progress(f"{name} v{version}{tag}: decoder, {shape.layers} layer{'s' if shape.layers != 1 else ''}, width "
+                 f"{shape.width}, {shape.heads} heads ({shape.kv_heads} KV), context {shape.context}, byte-level "
+                 f"tokenizer and chat template, FP32, {_size(folder)}")  # fmt: skip
+
+
+def _size(folder: Path) -> str:
+    """A folder's bytes, in MiB (KiB below one MiB)."""
+    total = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    return f"{total / 2**20:.1f} MiB" if total >= 2**20 else f"{total / 2**10:.0f} KiB"
 
 
 # tiny-lm's model config: a generative decoder, v1 served (v2, the lite one, is there for a degradation), three
@@ -172,13 +199,14 @@ dynamic_batching {
 BENCH_LM = "tiny-lm-bench"  # the bench decoder's model name (`build-demo --size bench`)
 
 
-def build_bench_repository(out: Path, *, seed: int = SEED) -> Path:
+def build_bench_repository(out: Path, *, seed: int = SEED, progress: Callable[[str], None] | None = None) -> Path:
     """Write `out/tiny-lm-bench/1/`: the decoder in tiny_lm's `BENCH` shape (width 512, 4 layers, 8 heads, 4 KV
     heads, context 1024; ~47 MiB), on which the model's own compute dominates a step (`bench/generate.py`). One
-    version and nothing else, so that an agent on `out` serves this decoder alone; returns `out`."""
-    from spillway.demo.tiny_lm import BENCH, build_tiny_lm_version
+    version and nothing else, so that an agent on `out` serves this decoder alone; returns `out`. `progress` as for
+    `build_demo_repository`."""
+    from spillway.demo.tiny_lm import BENCH
 
-    build_tiny_lm_version(out / BENCH_LM, 1, BENCH, seed=seed)
+    _build_decoder(out, BENCH_LM, 1, "", BENCH, seed, progress)
     return out
 
 
