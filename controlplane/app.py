@@ -210,7 +210,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.slo_windows = SloWindows()
         app.state.control_loop = ControlLoop(app.state.sessionmaker, app.state.slo_windows, app.state.policy_defaults)
         app.state.leadership = Leadership(engine)
-        app.state.ingestor = Ingestor(app.state.sessionmaker, max_series_per_agent=settings.max_series_per_agent)
+        app.state.ingestor = Ingestor(app.state.sessionmaker, max_series_per_agent=settings.max_series_per_agent,
+                                      latency_buckets_ms=settings.latency_buckets_ms)  # fmt: skip
         app.state.ingest_slots = asyncio.Semaphore(settings.ingest_max_concurrent)
         app.state.retention_passes = 0
         tasks = [asyncio.create_task(_retention_loop(app, settings))]

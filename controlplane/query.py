@@ -3,6 +3,10 @@ and one agent's recent telemetry summarised from them: request rates and outcome
 and compute times, batch sizes, queue depths and device gauges, and for generative models their OTel GenAI
 figures (time to first token and per output token, tokens per second, KV-cache use, preemptions, open streams).
 
+Attributes are read under their current names: rows stored before agents' attribute names were namespaced carry
+the old ones (`model`, `outcome`, ...), renamed here as the receiver renames them in what it stores now, and such a
+row's series is the one its renamed attributes hash to, so old and new rows of one series are one series.
+
 Histograms keep OTLP's explicit-bucket layout (bucket i holds (bounds[i-1], bounds[i]], the last one is +Inf).
 Percentiles are estimated like Prometheus' `histogram_quantile`: linear interpolation inside the bucket that holds
 the rank, so an estimate is always within the bucket of the true value. Rollups of one metric with different
@@ -28,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.db.models import Agent, MetricRollup, utcnow
 from controlplane.errors import NotFound, ValidationFailed
+from controlplane.ingest.attributes import current_names, series_key
 from spillway.contract.names import (
     ACTIVE_STREAMS,
     ATTR_GENAI_MODEL,
@@ -190,7 +195,8 @@ class _Traffic:
     versions: set[str] = field(default_factory=set)
     outcomes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     durations: dict[str, _Layouts] = field(default_factory=lambda: defaultdict(_Layouts))
-    depth_by_minute: dict[datetime, list[float]] = field(default_factory=dict)  # minute -> [sum of last, of max]
+    depth_by_minute: dict[datetime, dict[str, tuple[float, float]]] = field(default_factory=dict)  # minute -> series
+    # -> (last, max); the series of one minute add up (one per model version)
 
 
 _GENAI_HISTOGRAMS = (GENAI_TTFT, GENAI_TPOT, GENAI_REQUEST_DURATION)  # seconds, by gen_ai.request.model
@@ -202,11 +208,13 @@ GENERATION_METRICS = (*GENAI_METRICS, PREEMPTIONS, *_GENERATION_GAUGES)
 @dataclass
 class _Generation:
     """One generative model of an agent: its GenAI histograms, tokens by type, generation gauges and preemptions.
-    The OTel GenAI metrics name the model `gen_ai.request.model`, Spillway's own ones `model`: one name here."""
+    The OTel GenAI metrics name the model `gen_ai.request.model`, Spillway's own ones `spillway.model`: one name
+    here."""
 
     histograms: dict[str, _Layouts] = field(default_factory=lambda: defaultdict(_Layouts))
     tokens: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # gen_ai.token.type -> tokens
-    gauges: dict[str, dict[datetime, float]] = field(default_factory=lambda: defaultdict(dict))  # minute -> sum
+    # metric -> minute -> series -> (last, last)
+    gauges: dict[str, dict[datetime, dict[str, tuple[float, float]]]] = field(default_factory=lambda: defaultdict(dict))
     preemptions: float = 0.0
 
 
@@ -290,9 +298,14 @@ class Rollup:
         """From a row read with the ORM's types (a `MetricRollup`, or some of its columns: agent_id and series
         may be left out)."""
         gauge = row.kind == "gauge"
+        series = getattr(row, "series", "")
+        stored = row.attributes if isinstance(row.attributes, dict) else {}
+        attributes = current_names(stored)
+        if attributes is not stored and series:  # stored before the rename: the series it is now
+            series = series_key(row.metric, attributes)
         return cls(
-            getattr(row, "agent_id", ""), row.metric, row.kind, getattr(row, "series", ""), _raw_minute(row.minute),
-            row.attributes if isinstance(row.attributes, dict) else {}, float(row.count or 0), float(row.total or 0.0),
+            getattr(row, "agent_id", ""), row.metric, row.kind, series, _raw_minute(row.minute),
+            attributes, float(row.count or 0), float(row.total or 0.0),
             Histogram.of(row.bounds, row.buckets, row.count, row.total) if row.kind == "histogram" else None,
             _finite(row.last) if gauge else None, _finite(row.min) if gauge else None,
             _finite(row.max) if gauge else None,
@@ -312,7 +325,8 @@ class RollupReader:
     """Selects minute rollups and decodes each into a `Rollup`.
 
     A series' attributes never change (its key hashes them), so a reader decodes them once per series, from one of
-    its rows, and remembers them: keep one reader to re-read the same series cheaply (as the SLO windows do).
+    its rows, and remembers them: keep one reader to re-read the same series cheaply (as the SLO windows do). A series
+    stored under legacy attribute names is read under the current ones, as the series they hash to.
     """
 
     CHUNK = 500  # agents, or series, in one IN (...)
@@ -320,6 +334,7 @@ class RollupReader:
 
     def __init__(self) -> None:
         self._attributes: dict[str, dict[str, Any]] = {}
+        self._renamed: dict[str, str] = {}  # stored series -> the series of its renamed attributes (legacy ones only)
 
     def read(self, session: Session, *, since: datetime, until: datetime | None = None,
              agents: Collection[str] | None = None, metrics: Collection[str] | None = None,
@@ -345,7 +360,7 @@ class RollupReader:
         at = len(_HEAD) + (len(_HISTOGRAM) if histograms else 0)  # where a gauge's columns start
         minutes: dict[Any, datetime] = {}  # raw minute -> decoded
         layouts: dict[Any, tuple[float, ...] | None] = {}  # raw bounds -> checked
-        connection, known = session.connection(), self._attributes
+        connection, known, renamed = session.connection(), self._attributes, self._renamed
         for chunk in [None] if agents is None else _chunks(sorted(agents), self.CHUNK):
             query = select(*columns).where(*where, *([] if chunk is None else [MetricRollup.agent_id.in_(chunk)]))
             for rows in connection.execute(query.execution_options(yield_per=self.BATCH)).partitions():
@@ -367,17 +382,22 @@ class RollupReader:
                     last = low = high = None
                     if gauges and kind == "gauge":
                         last, low, high = _finite(row[at]), _finite(row[at + 1]), _finite(row[at + 2])
-                    yield Rollup(row[1], row[2], kind, row[4], minute, known[row[4]], float(row[6] or 0),
-                                 float(row[7] or 0.0), histogram, last, low, high)  # fmt: skip
+                    series: str = row[4]
+                    yield Rollup(row[1], row[2], kind, renamed.get(series, series) if renamed else series, minute,
+                                 known[series], float(row[6] or 0), float(row[7] or 0.0), histogram, last, low,
+                                 high)  # fmt: skip
 
     def _learn(self, connection: Connection, rows: Sequence[Any]) -> None:
         """Decode the attributes of the series among `rows` not seen before, each from one of its rows."""
         unknown = {row[4]: row[0] for row in rows if row[4] not in self._attributes}
         for chunk in _chunks(list(unknown.values()), self.CHUNK):
-            query = select(MetricRollup.series, type_coerce(MetricRollup.attributes, String))
-            for series, attributes in connection.execute(query.where(MetricRollup.id.in_(chunk))):
+            query = select(MetricRollup.series, MetricRollup.metric, type_coerce(MetricRollup.attributes, String))
+            for series, metric, attributes in connection.execute(query.where(MetricRollup.id.in_(chunk))):
                 decoded = _raw_json(attributes)
-                self._attributes[series] = decoded if isinstance(decoded, dict) else {}
+                stored = decoded if isinstance(decoded, dict) else {}
+                current = self._attributes[series] = current_names(stored)
+                if current is not stored:
+                    self._renamed[series] = series_key(metric, current)
 
 
 def read_rollups(session: Session, *, since: datetime, until: datetime | None = None,
@@ -467,9 +487,7 @@ def _fold_traffic(traffic: dict[tuple[str | None, int | None], _Traffic], rollup
         if rollup.last is None or rollup.max is None:
             return None
         group = traffic[key]
-        sums = group.depth_by_minute.setdefault(rollup.minute, [0.0, 0.0])
-        sums[0] += rollup.last  # one series per model version: their queues add up
-        sums[1] += rollup.max
+        _reading(group.depth_by_minute.setdefault(rollup.minute, {}), rollup.series, rollup.last, rollup.max)
         return group
     return None
 
@@ -493,8 +511,8 @@ def _fold_generation(generation: dict[str, _Generation], rollup: Rollup) -> None
     if metric == PREEMPTIONS and rollup.kind == "sum":
         generation[model].preemptions += _finite(rollup.total) or 0.0
     elif rollup.kind == "gauge" and rollup.last is not None:
-        by_minute = generation[model].gauges[metric]
-        by_minute[rollup.minute] = by_minute.get(rollup.minute, 0.0) + rollup.last  # one series per engine: add up
+        by_series = generation[model].gauges[metric].setdefault(rollup.minute, {})
+        _reading(by_series, rollup.series, rollup.last, rollup.last)  # one series per engine: they add up
 
 
 def _generation(model: str, gen: _Generation, traffic: dict[tuple[str | None, int | None], _Traffic],
@@ -505,7 +523,7 @@ def _generation(model: str, gen: _Generation, traffic: dict[tuple[str | None, in
             for outcome, n in group.outcomes.items():
                 outcomes[outcome] += n
     ttft, tpot, duration = (gen.histograms[m].merged() if m in gen.histograms else None for m in _GENAI_HISTOGRAMS)
-    used, total = gen.gauges.get(KV_BLOCKS_USED, {}), gen.gauges.get(KV_BLOCKS_TOTAL, {})
+    used, total = _summed(gen.gauges.get(KV_BLOCKS_USED, {})), _summed(gen.gauges.get(KV_BLOCKS_TOTAL, {}))
     both = set(used).intersection(total)  # the ratio of one minute's readings, the latest minute with both
     latest = max(both) if both else None
     use = None if latest is None or total[latest] <= 0 else used[latest] / total[latest]
@@ -523,7 +541,7 @@ def _generation(model: str, gen: _Generation, traffic: dict[tuple[str | None, in
         "kv_cache_use": use,
         "preemptions": gen.preemptions,
         "preemptions_per_min": gen.preemptions * 60.0 / seconds,
-        "active_streams": _latest(gen.gauges.get(ACTIVE_STREAMS, {})),
+        "active_streams": _latest(_summed(gen.gauges.get(ACTIVE_STREAMS, {}))),
         "outcomes": dict(sorted(outcomes.items())),
     }
 
@@ -533,6 +551,18 @@ def _percentiles_ms(histogram: Histogram | None) -> dict[str, Any]:
         return {"count": 0.0, "mean": None, "p50": None, "p90": None, "p99": None}
     return {"count": histogram.count, "mean": _ms(histogram.mean), "p50": _ms(histogram.quantile(0.50)),
             "p90": _ms(histogram.quantile(0.90)), "p99": _ms(histogram.quantile(0.99))}  # fmt: skip
+
+
+def _reading(by_series: dict[str, tuple[float, float]], series: str, last: float, high: float) -> None:
+    """A gauge series' (last, max) in one minute. A series read twice in a minute (rows stored before and after the
+    attribute rename: one series, two rows) counts once, with the higher readings."""
+    seen = by_series.get(series)
+    by_series[series] = (last, high) if seen is None else (max(seen[0], last), max(seen[1], high))
+
+
+def _summed(by_minute: Mapping[datetime, Mapping[str, tuple[float, float]]]) -> dict[datetime, float]:
+    """Each minute's last readings, added up over the series."""
+    return {minute: sum(last for last, _ in by_series.values()) for minute, by_series in by_minute.items()}
 
 
 def _latest(by_minute: Mapping[datetime, float]) -> float | None:
@@ -562,8 +592,9 @@ def _traffic(key: tuple[str | None, int | None], group: _Traffic, seconds: float
     compute = group.durations[COMPUTE_DURATION].merged() if COMPUTE_DURATION in group.durations else None
     depth = None
     if group.depth_by_minute:
-        latest = max(group.depth_by_minute)
-        depth = {"last": group.depth_by_minute[latest][0], "max": max(v[1] for v in group.depth_by_minute.values())}
+        by_minute = group.depth_by_minute
+        highest = max(sum(high for _, high in by_series.values()) for by_series in by_minute.values())
+        depth = {"last": sum(last for last, _ in by_minute[max(by_minute)].values()), "max": highest}
     return {
         "model": key[0],
         "priority": key[1],

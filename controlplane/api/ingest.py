@@ -9,6 +9,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsPartialSuccess,
     ExportMetricsServiceResponse,
 )
+from starlette.requests import ClientDisconnect
 
 from controlplane.api.deps import AgentCaller, SettingsDep
 from controlplane.errors import Overloaded
@@ -28,6 +29,12 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 @router.post("/v1/metrics", summary="Export metrics (OTLP/HTTP, protobuf or JSON, optionally gzip)",
              responses=_RESPONSES, response_class=Response)  # fmt: skip
 async def export_metrics(request: Request, agent: AgentCaller, settings: SettingsDep) -> Response:
+    """Each data point is stored or refused; refusals are counted and explained in `partial_success` (HTTP 200, the
+    rest of the export stored). A histogram the control plane reads must come on its bounds (the duration histograms
+    on SPILLWAY_LATENCY_BUCKETS_MS in seconds, the GenAI ones on the semantic conventions'), on finer bounds that
+    include them (re-bucketed exactly), or, for the duration histograms, on some of them. The attribute names of
+    agents before 0.2 (`model`, `model.version`, `priority`, `outcome`, `policy.source`) are stored as the namespaced
+    ones (`spillway.model`, ...)."""
     slots: asyncio.Semaphore = request.app.state.ingest_slots
     if slots.locked():  # every slot busy: tell the exporter to come back (it retries 503 with backoff)
         raise Overloaded("the control plane is ingesting at capacity; retry later", details={"retry_after_s": 1})
@@ -36,7 +43,10 @@ async def export_metrics(request: Request, agent: AgentCaller, settings: Setting
 
 
 async def _export(request: Request, agent_id: str, settings: Any) -> Response:
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:  # the exporter gave up (its timeout) mid-body: nobody is left to answer, nothing stored
+        return Response(status_code=400, content=b"the exporter disconnected before its body arrived")
     ingestor: Ingestor = request.app.state.ingestor
     content_type = request.headers.get("content-type", "")
     encoding = request.headers.get("content-encoding", "")

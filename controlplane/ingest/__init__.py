@@ -1,3 +1,4 @@
-"""OTLP/HTTP metrics ingest: decoding, cumulative-to-delta conversion per stream, minute rollups."""
+"""OTLP/HTTP metrics ingest: decoding, legacy attribute names, histogram bounds, cumulative-to-delta conversion per
+stream, minute rollups."""
 
-__all__ = ["deltas", "receiver", "store"]
+__all__ = ["attributes", "bounds", "deltas", "receiver", "store"]

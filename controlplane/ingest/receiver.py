@@ -1,20 +1,22 @@
-"""OTLP metrics in, minute rollups out: decode, check the sender, convert cumulative streams to deltas, and
-add each minute's deltas (and gauge samples) to the database.
+"""OTLP metrics in, minute rollups out: decode, check the sender, rename legacy attributes (`attributes`), bring
+histograms onto the bounds the control plane reads them on (`bounds`), convert cumulative streams to deltas, and add
+each minute's deltas (and gauge samples) to the database.
 
-Refusals of part of the data (unsupported metric types, series beyond an agent's cardinality limit) are
-counted and reported back through OTLP's `partial_success`; nothing else is ever dropped silently.
+Refusals of part of the data (unsupported metric types, malformed points, histograms on bounds that cannot be
+re-bucketed exactly, series beyond an agent's cardinality limit) are counted and reported back through OTLP's
+`partial_success`; nothing else is ever dropped silently.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
+import logging
 import math
 import threading
 import time
 import zlib
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -28,11 +30,17 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.db.models import MetricRollup
 from controlplane.errors import Forbidden, UndecodableMetrics, UnsupportedMediaType
+from controlplane.ingest.attributes import current_names, series_key
+from controlplane.ingest.bounds import Fit, Layouts
 from controlplane.ingest.deltas import DeltaTracker, Point
 from controlplane.ingest.store import add_rollups, mark_seen
+from spillway.contract.names import DEFAULT_LATENCY_BUCKETS_MS
 
 CUMULATIVE = 2
 _SERIES_CACHE_SIZE = 100_000  # (metric, attributes as sent) -> series key; cleared when it grows past this
+_LOGGED_KEPT = 10_000  # (agent, reason) refusals logged once; forgotten (logged again) past this
+_REASONS_SAID = 20  # distinct reasons in one answer's partial_success.error_message, at most
+log = logging.getLogger("spillway.controlplane")
 
 
 def prune(session: Session, older_than: datetime) -> int:
@@ -80,11 +88,6 @@ def _attributes(pairs: Any) -> dict[str, Any]:
     return {kv.key: _value(kv.value) for kv in pairs}
 
 
-def series_key(metric: str, attributes: dict[str, Any]) -> str:
-    """A series' stable identity (the `series` column): sha256 of its metric name and attributes."""
-    return hashlib.sha256(json.dumps([metric, attributes], sort_keys=True, default=str).encode()).hexdigest()
-
-
 def _minute(time_unix_nano: int) -> datetime:
     seconds = time_unix_nano // 1_000_000_000
     return datetime.fromtimestamp(seconds - seconds % 60, tz=timezone.utc)
@@ -130,16 +133,20 @@ class Ingestor:
     folded, and a busy control plane pays one commit (one fsync) for many exports instead of one each.
     """
 
-    def __init__(self, factory: sessionmaker[Session], *, max_series_per_agent: int = 10_000) -> None:
+    def __init__(self, factory: sessionmaker[Session], *, max_series_per_agent: int = 10_000,
+                 latency_buckets_ms: Iterable[float] = DEFAULT_LATENCY_BUCKETS_MS) -> None:  # fmt: skip
         self.factory = factory
         self.max_series_per_agent = max_series_per_agent
+        self.layouts = Layouts(latency_buckets_ms)  # the histograms' bounds, as the agents' policies set them
         # Runs begun before this process started may have been counted by its predecessor: a baseline each.
         self.tracker = DeltaTracker(horizon_ns=time.time_ns())
         self._known: dict[str, set[str]] = defaultdict(set)
-        # The series key and attributes of each attribute list as sent: agents send the same few hundred again
-        # every export, so hashing them once saves most of the per-point work. Keyed by the protobuf encoding
-        # of each attribute, which determines the decoded attributes, so a hit is exactly what a miss computes.
+        # The series key and attributes (legacy names renamed) of each attribute list as sent: agents send the same
+        # few hundred again every export, so hashing them once saves most of the per-point work. Keyed by the
+        # protobuf encoding of each attribute, which determines the decoded attributes, so a hit is exactly what a
+        # miss computes.
         self._series_cache: dict[tuple[str, tuple[bytes, ...]], tuple[str, dict[str, Any]]] = {}
+        self._logged: set[tuple[str, str]] = set()  # (agent, refusal reason) logged once
         self._lock = threading.Lock()  # the tracker, the series sets, the write queue
         self._written = threading.Condition(self._lock)  # notified when a write ends
         self._queue: list[_Pending] = []  # folded, not yet being written
@@ -149,7 +156,7 @@ class Ingestor:
         key = (metric, tuple(kv.SerializeToString() for kv in pairs))
         found = self._series_cache.get(key)
         if found is None:
-            attributes = _attributes(pairs)
+            attributes = current_names(_attributes(pairs))
             found = (series_key(metric, attributes), attributes)
             if len(self._series_cache) >= _SERIES_CACHE_SIZE:
                 self._series_cache.clear()
@@ -183,6 +190,13 @@ class Ingestor:
                                 rejected += 1
                                 reasons.add(f"{problem} ({metric.name})")
                                 continue
+                            fit = None
+                            if kind == "histogram":
+                                fit = self.layouts.fit(metric.name, metric.unit, tuple(dp.explicit_bounds))
+                                if fit.problem is not None:
+                                    rejected += 1
+                                    reasons.add(fit.problem)
+                                    continue
                             series, attributes = self._series(metric.name, dp.attributes)
                             if series not in known and len(known) >= self.max_series_per_agent:
                                 rejected += 1
@@ -190,14 +204,27 @@ class Ingestor:
                                 continue
                             known.add(series)
                             accepted += 1
-                            self._fold(rollups, agent_id, series, metric.name, kind, attributes, dp, cumulative)
-            result = IngestResult(accepted, rejected, "; ".join(sorted(reasons)))
-            if not rollups:
-                return result
-            pending = _Pending(agent_id, _rows(agent_id, rollups))
-            self._queue.append(pending)  # under the lock that folded it: the queue is in fold order
-        self._store(pending)
+                            self._fold(rollups, agent_id, series, metric.name, kind, attributes, dp, cumulative, fit)
+            said = sorted(reasons)[:_REASONS_SAID]  # each refused layout is a reason: an export may bring many
+            more = f"; and {len(reasons) - len(said)} more" if len(reasons) > len(said) else ""
+            result = IngestResult(accepted, rejected, "; ".join(said) + more)
+            fresh = self._not_yet_logged(agent_id, said)
+            pending = _Pending(agent_id, _rows(agent_id, rollups)) if rollups else None
+            if pending is not None:
+                self._queue.append(pending)  # under the lock that folded it: the queue is in fold order
+        for reason in fresh:  # an SDK's exporter may not show partial_success to anyone: the operator sees this
+            log.warning("agent %s: data points refused (answered in partial_success): %s", agent_id, reason)
+        if pending is not None:
+            self._store(pending)
         return result
+
+    def _not_yet_logged(self, agent_id: str, reasons: list[str]) -> list[str]:
+        """The reasons not logged for this agent yet (remembered up to a bound, then each is logged again)."""
+        fresh = sorted(reason for reason in reasons if (agent_id, reason) not in self._logged)
+        if len(self._logged) + len(fresh) > _LOGGED_KEPT:
+            self._logged.clear()
+        self._logged.update((agent_id, reason) for reason in fresh)
+        return fresh
 
     def _store(self, pending: _Pending) -> None:
         """Wait until `pending` is written; when no write is running, write everything queued (group commit)."""
@@ -218,7 +245,8 @@ class Ingestor:
             raise pending.error
 
     def _fold(self, rollups: dict[tuple[str, datetime], _Rollup], agent_id: str, series: str, name: str, kind: str,
-              attributes: dict[str, Any], dp: Any, cumulative: bool) -> None:  # fmt: skip
+              attributes: dict[str, Any], dp: Any, cumulative: bool, fit: Fit | None) -> None:  # fmt: skip
+        """Add a point to its minute's rollup (a histogram's on the bounds `fit` stores it on)."""
         key = (series, _minute(dp.time_unix_nano))
         if kind == "gauge":
             value = float(dp.as_double if dp.WhichOneof("value") == "as_double" else dp.as_int)
@@ -234,9 +262,10 @@ class Ingestor:
             point = Point((agent_id, series), "sum", dp.start_time_unix_nano, dp.time_unix_nano, value=value,
                           cumulative=cumulative)  # fmt: skip
         else:
+            assert fit is not None
             point = Point((agent_id, series), "histogram", dp.start_time_unix_nano, dp.time_unix_nano,
-                          count=dp.count, total=dp.sum, buckets=tuple(dp.bucket_counts),
-                          bounds=tuple(dp.explicit_bounds), cumulative=cumulative)  # fmt: skip
+                          count=dp.count, total=dp.sum, buckets=fit.buckets(dp.bucket_counts), bounds=fit.bounds,
+                          cumulative=cumulative)  # fmt: skip
         delta = self.tracker.delta(point)
         if delta is None:
             return
@@ -311,4 +340,4 @@ def _malformed(kind: str, dp: Any) -> str | None:
     return None
 
 
-__all__ = ["IngestResult", "Ingestor", "decode", "prune"]
+__all__ = ["IngestResult", "Ingestor", "decode", "prune", "series_key"]

@@ -19,6 +19,7 @@ A ratio condition under its `min_requests` is not met: a quiet device with one s
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -138,7 +139,9 @@ def read_gauges(session: Session, now: datetime) -> dict[str, AgentGauges]:
                 gauges[rollup.agent].preemptions[model] += rollup.total if rollup.minute == since else 0.0
             continue
         key = (rollup.agent, rollup.series)
-        if key not in latest or rollup.minute > latest[key].minute:
+        seen = latest.get(key)
+        # A series with two rows in one minute (stored before and after the attribute rename): the higher reading.
+        if seen is None or (rollup.minute, _reading(rollup)) > (seen.minute, _reading(seen)):
             latest[key] = rollup
     for (agent, _), rollup in latest.items():
         if rollup.last is None:
@@ -162,6 +165,10 @@ def read_gauges(session: Session, now: datetime) -> dict[str, AgentGauges]:
         elif rollup.metric == TEMPERATURE:
             g.gpu_temperature_c = max(g.gpu_temperature_c or -273.0, last)
     return gauges
+
+
+def _reading(rollup: Rollup) -> float:
+    return -math.inf if rollup.last is None else rollup.last
 
 
 class Observer:

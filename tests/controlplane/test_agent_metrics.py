@@ -16,7 +16,7 @@ from controlplane.query import Histogram, histogram_quantile, merge_histograms, 
 from edge_agent.scheduling.stats import ModelStats
 from edge_agent.telemetry import AgentTelemetry, TelemetrySettings
 from edge_agent.telemetry.metrics import BATCH_BUCKETS
-from spillway.contract.names import DEFAULT_LATENCY_BUCKETS_MS
+from spillway.contract.names import ATTR_MODEL, ATTR_OUTCOME, ATTR_PRIORITY, ATTR_VERSION, DEFAULT_LATENCY_BUCKETS_MS
 from tests.conftest import Plane
 from tests.utils.builders import make_agent
 
@@ -80,9 +80,11 @@ def test_malformed_rollups_are_skipped_not_a_500() -> None:
             "minute": minute}  # fmt: skip
     rows = [
         Row(**{**base, "metric": "spillway.request.duration", "kind": "histogram", "count": 3, "total": math.inf,
-               "attributes": {"model": "m", "priority": 1, "outcome": "local"}, "buckets": [1, 2], "bounds": [0.1]}),
+               "attributes": {ATTR_MODEL: "m", ATTR_PRIORITY: 1, ATTR_OUTCOME: "local"}, "buckets": [1, 2],
+               "bounds": [0.1]}),
         Row(**{**base, "metric": "spillway.request.duration", "kind": "histogram", "count": 3,
-               "attributes": {"model": "m", "priority": "x", "outcome": "local"}, "buckets": [1], "bounds": [0.1]}),
+               "attributes": {ATTR_MODEL: "m", ATTR_PRIORITY: "x", ATTR_OUTCOME: "local"}, "buckets": [1],
+               "bounds": [0.1]}),
         Row(**{**base, "metric": "hw.temperature", "kind": "gauge", "last": math.nan, "min": 1.0, "max": math.inf,
                "attributes": {"hw.id": math.nan}}),
     ]  # fmt: skip
@@ -124,7 +126,7 @@ def test_percentiles_rates_outcomes_queues_and_gauges_from_real_telemetry(plane:
     telemetry = AgentTelemetry(settings, probes=True)  # host gauges from the real probes
     depths = {1: 0, 3: 0}
     telemetry.watch_queue(
-        lambda: [({"model": "mlp", "model.version": "1", "priority": p}, depth) for p, depth in depths.items()]
+        lambda: [({ATTR_MODEL: "mlp", ATTR_VERSION: "1", ATTR_PRIORITY: p}, depth) for p, depth in depths.items()]
     )
     gpu_celsius = [0.0]  # no GPU here: a device gauge as NVML would report it, through the same SDK
 

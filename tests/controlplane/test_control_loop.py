@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import select
 
 from controlplane.db.models import Agent, Event, MetricRollup, Policy, Rule, RuleState, Slo
-from controlplane.ingest.receiver import series_key
+from controlplane.ingest.attributes import series_key
 from controlplane.rules.loop import ControlLoop, PolicyDefaults
 from controlplane.schemas.rules import RuleCreate
 from controlplane.slo.windows import SloWindows
@@ -170,10 +170,10 @@ def _generative_minute(session: Any, agent: str, minute: datetime, streams: int,
     buckets[bisect_left(names.GENAI_TTFT_BUCKETS, ttft_s)] = streams
     rows = [(names.GENAI_TTFT, ttft, {"kind": "histogram", "count": streams, "total": streams * ttft_s,
                                       "buckets": buckets, "bounds": list(names.GENAI_TTFT_BUCKETS)}),
-            (names.PREEMPTIONS, {"model": "tiny-lm"}, {"kind": "sum", "count": 0, "total": 0.0})]  # fmt: skip
+            (names.PREEMPTIONS, {names.ATTR_MODEL: "tiny-lm"}, {"kind": "sum", "count": 0, "total": 0.0})]  # fmt: skip
     for metric, value in ((names.KV_BLOCKS_USED, kv_used), (names.KV_BLOCKS_TOTAL, 100.0)):
         reading = {"kind": "gauge", "count": 1, "total": value, "last": value, "min": value, "max": value}
-        rows.append((metric, {"model": "tiny-lm"}, reading))
+        rows.append((metric, {names.ATTR_MODEL: "tiny-lm"}, reading))
     for metric, attributes, values in rows:
         session.add(MetricRollup(agent_id=agent, metric=metric, series=series_key(metric, attributes), minute=minute,
                                  attributes=attributes, **{"buckets": [], "bounds": [], **values}))  # fmt: skip

@@ -17,6 +17,7 @@ from controlplane.app import create_app
 from controlplane.settings import Settings
 from edge_agent.scheduling.stats import ModelStats
 from edge_agent.telemetry import AgentTelemetry, TelemetrySettings
+from spillway.contract import names
 from tests.conftest import Plane, telemetry_for
 from tests.utils.builders import make_agent
 
@@ -33,10 +34,10 @@ def test_the_real_exporter_lands_in_minute_rollups_without_double_counting(plane
     assert telemetry.provider.force_flush(10_000)
     telemetry.shutdown()
 
-    requests = {(r.attributes["priority"], r.attributes["outcome"]): r.total
+    requests = {(r.attributes[names.ATTR_PRIORITY], r.attributes[names.ATTR_OUTCOME]): r.total
                 for r in plane.rollups("spillway.requests")}  # fmt: skip
     assert requests == {(1, "local"): 5.0, (3, "rejected"): 1.0}
-    durations = [r for r in plane.rollups("spillway.request.duration") if r.attributes["priority"] == 1]
+    durations = [r for r in plane.rollups("spillway.request.duration") if r.attributes[names.ATTR_PRIORITY] == 1]
     assert sum(r.count for r in durations) == 5
     buckets = [sum(col) for col in zip(*(r.buckets for r in durations), strict=True)]
     assert buckets == [3, 1, 1]  # <=10 ms, <=100 ms, above
@@ -115,7 +116,7 @@ def test_unsupported_types_and_cardinality_are_reported_as_partial_success(plane
         point.time_unix_nano = 1_700_000_000_000_000_000
         point.as_int = i
         kv = point.attributes.add()
-        kv.key, kv.value.int_value = "priority", i
+        kv.key, kv.value.int_value = names.ATTR_PRIORITY, i
     headers = {"Authorization": f"Bearer {plane.token}", "Content-Type": "application/x-protobuf"}
     r = httpx.post(f"{plane.url}/v1/metrics", content=message.SerializeToString(), headers=headers)
     assert r.status_code == 200

@@ -11,11 +11,12 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from controlplane.db.models import MetricRollup
-from controlplane.ingest.receiver import series_key
+from controlplane.ingest.attributes import series_key
 from controlplane.rules.engine import Hysteresis, State, advance
 from controlplane.rules.observe import AgentGauges, read_gauges
 from controlplane.rules.policy import Active, compose, document, stepped_action
 from controlplane.schemas.rules import ACTION_LADDER, Action, RuleCreate
+from spillway.contract import names
 from spillway.contract.names import ACTIVE_STREAMS, KV_BLOCKS_TOTAL, KV_BLOCKS_USED, PREEMPTIONS, QUEUE_DEPTH
 from spillway.contract.policy import PolicyDocument, parse
 from tests.conftest import Api
@@ -106,7 +107,7 @@ def test_generative_gauges_per_model_and_over_every_model() -> None:
 def _gauge(session: Any, agent: str, minute: datetime, metric: str, value: float, kind: str = "gauge",
            model: str = "tiny-lm") -> None:  # fmt: skip
     """One minute's rollup of a generative series, keyed as the receiver keys it."""
-    attributes = {"model": model}
+    attributes = {names.ATTR_MODEL: model}
     gauge = {"last": value, "min": value, "max": value} if kind == "gauge" else {}
     session.add(MetricRollup(agent_id=agent, metric=metric, series=series_key(metric, attributes), minute=minute,
                              attributes=attributes, kind=kind, count=1 if kind == "gauge" else 0, total=value,

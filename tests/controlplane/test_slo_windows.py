@@ -14,6 +14,7 @@ from sqlalchemy import select
 from controlplane.db.models import Agent, MetricRollup, Slo
 from controlplane.slo.maths import GOOD_OUTCOMES, good_under_threshold
 from controlplane.slo.windows import Evaluation, SloWindows
+from spillway.contract.names import ATTR_MODEL, ATTR_OUTCOME
 from tests.utils.rollups import add_agent, add_rollup
 
 T0 = datetime(2026, 11, 2, 9, 0, tzinfo=timezone.utc)
@@ -35,9 +36,9 @@ def _brute(session: Any, slo: Slo, agents: list[str], now: datetime, seconds: in
     good = total = 0.0
     for row in session.scalars(select(MetricRollup).where(MetricRollup.metric == metric)):
         minute = row.minute if row.minute.tzinfo else row.minute.replace(tzinfo=timezone.utc)
-        if row.agent_id not in agents or not start <= minute <= latest or row.attributes["model"] != "mlp":
+        if row.agent_id not in agents or not start <= minute <= latest or row.attributes[ATTR_MODEL] != "mlp":
             continue
-        outcome = row.attributes["outcome"]
+        outcome = row.attributes[ATTR_OUTCOME]
         if slo.sli_kind == "latency":
             if outcome == "local":
                 good += good_under_threshold(row.buckets, row.bounds, 0.01)

@@ -15,7 +15,10 @@ from typing import Any
 
 import httpx
 import yaml
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import (
     AggregationTemporality,
@@ -36,6 +39,7 @@ from spillway.contract import names
 from tests.conftest import make_keys
 from tests.utils.server import serving
 
+MODEL, VERSION, PRIORITY, OUTCOME = names.ATTR_MODEL, names.ATTR_VERSION, names.ATTR_PRIORITY, names.ATTR_OUTCOME
 EXAMPLE_FLEET = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"
 LATENCY_BOUNDS_S = [ms / 1000 for ms in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)]
 BATCH_BOUNDS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -108,23 +112,23 @@ TRAFFIC: dict[str, dict[tuple[int, str], tuple[int, dict[float, int]]]] = {
 }
 GAUGES: dict[str, list[tuple[str, float, dict[str, Any]]]] = {
     "jetson-berlin-01": [
-        ("spillway.queue.depth", 80, {"model": "mlp", "model.version": "1", "priority": 3}),
-        ("spillway.queue.depth", 4, {"model": "mlp", "model.version": "1", "priority": 1}),
+        ("spillway.queue.depth", 80, {MODEL: "mlp", VERSION: "1", PRIORITY: 3}),
+        ("spillway.queue.depth", 4, {MODEL: "mlp", VERSION: "1", PRIORITY: 1}),
         ("hw.gpu.memory.usage", 5.25 * GIB, {"hw.id": "gpu0", "hw.type": "gpu"}),
         ("hw.gpu.memory.limit", 8 * GIB, {"hw.id": "gpu0", "hw.type": "gpu"}),
         ("hw.gpu.utilization", 0.87, {"hw.id": "gpu0", "hw.type": "gpu"}),
         ("hw.temperature", 71.5, {"hw.id": "gpu0", "hw.type": "gpu"}),
     ],
     "desktop-gpu-lab": [
-        ("spillway.queue.depth", 2, {"model": "mlp", "model.version": "1", "priority": 1}),
+        ("spillway.queue.depth", 2, {MODEL: "mlp", VERSION: "1", PRIORITY: 1}),
         ("hw.gpu.memory.usage", 3 * GIB, {"hw.id": "gpu0", "hw.type": "gpu"}),
         ("hw.gpu.memory.limit", 24 * GIB, {"hw.id": "gpu0", "hw.type": "gpu"}),
         ("hw.temperature", 58.0, {"hw.id": "gpu0", "hw.type": "gpu"}),
     ],
     "orin-chat-01": [
-        (names.KV_BLOCKS_USED, 96, {"model": GENERATIVE_MODEL}),
-        (names.KV_BLOCKS_TOTAL, 128, {"model": GENERATIVE_MODEL}),
-        (names.ACTIVE_STREAMS, 6, {"model": GENERATIVE_MODEL}),
+        (names.KV_BLOCKS_USED, 96, {MODEL: GENERATIVE_MODEL}),
+        (names.KV_BLOCKS_TOTAL, 128, {MODEL: GENERATIVE_MODEL}),
+        (names.ACTIVE_STREAMS, 6, {MODEL: GENERATIVE_MODEL}),
         ("hw.gpu.memory.usage", 6 * GIB, {"hw.id": "gpu0", "hw.type": "gpu"}),
         ("hw.gpu.memory.limit", 8 * GIB, {"hw.id": "gpu0", "hw.type": "gpu"}),
     ],
@@ -148,6 +152,8 @@ class SeededPlane:
                                   headers={"Authorization": f"Bearer {self.tokens[name]}",
                                            "Content-Type": "application/x-protobuf"}, timeout=10)  # fmt: skip
             assert response.status_code == 200, response.text
+            answer = ExportMetricsServiceResponse.FromString(response.content).partial_success
+            assert answer.rejected_data_points == 0, answer.error_message  # every seeded point stored
 
     def client(self, role: str = "admin") -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.keys[role]}"}, timeout=10)
@@ -189,7 +195,7 @@ def generative_metrics(counters: list[NumberDataPoint], start: int, now: int) ->
     `counters`), the GenAI histograms by `gen_ai.request.model`, token usage by type, and preemptions."""
     model = {"gen_ai.request.model": GENERATIVE_MODEL, "gen_ai.operation.name": "chat"}
     for (priority, outcome), n in STREAMS.items():
-        attrs = {"model": GENERATIVE_MODEL, "model.version": "1", "priority": priority, "outcome": outcome}
+        attrs = {MODEL: GENERATIVE_MODEL, VERSION: "1", PRIORITY: priority, OUTCOME: outcome}
         counters.append(NumberDataPoint(attributes=_attributes(attrs), start_time_unix_nano=start,
                                         time_unix_nano=now, as_double=float(n)))  # fmt: skip
     metrics = []
@@ -205,7 +211,7 @@ def generative_metrics(counters: list[NumberDataPoint], start: int, now: int) ->
     metrics.append(_histogram(names.GENAI_TOKEN_USAGE, "{token}", usage, start, now))
     metrics.append(Metric(name=names.PREEMPTIONS, unit="{sequence}", sum=Sum(
         aggregation_temporality=AggregationTemporality.AGGREGATION_TEMPORALITY_DELTA, is_monotonic=True,
-        data_points=[NumberDataPoint(attributes=_attributes({"model": GENERATIVE_MODEL}), start_time_unix_nano=start,
+        data_points=[NumberDataPoint(attributes=_attributes({MODEL: GENERATIVE_MODEL}), start_time_unix_nano=start,
                                      time_unix_nano=now, as_double=float(PREEMPTED))])))  # fmt: skip
     return metrics
 
@@ -217,7 +223,7 @@ def export_body(agent_id: str, name: str, *, traffic: bool = True) -> bytes:
     start = now - 30 * 10**9
     durations, queued, computed, counters, batches = [], [], [], [], []
     for (priority, outcome), (n, by_ms) in TRAFFIC.get(name, {}).items():
-        attrs = {"model": "mlp", "model.version": "1", "priority": priority, "outcome": outcome}
+        attrs = {MODEL: "mlp", VERSION: "1", PRIORITY: priority, OUTCOME: outcome}
         counts = [0] * (len(LATENCY_BOUNDS_S) + 1)
         total = 0.0
         for ms, count in by_ms.items():
@@ -234,7 +240,7 @@ def export_body(agent_id: str, name: str, *, traffic: bool = True) -> bytes:
         metrics += generative_metrics(counters, start, now)
     elif traffic:
         batch_counts = [0, 10, 20, 60, 30, 0, 0, 0, 0, 0]
-        batches.append(({"model": "mlp", "model.version": "1"}, [float(b) for b in BATCH_BOUNDS], batch_counts, 900.0))
+        batches.append(({MODEL: "mlp", VERSION: "1"}, [float(b) for b in BATCH_BOUNDS], batch_counts, 900.0))
         metrics += [
             _histogram("spillway.request.duration", "s", durations, start, now),
             _histogram("spillway.queue.duration", "s", queued, start, now),

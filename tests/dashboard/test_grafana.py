@@ -1,6 +1,7 @@
 """The Grafana dashboard queries metrics that exist: the agents' OpenTelemetry instruments (the V2 models', and the
 generative models' OTel GenAI histograms, KV-cache, preemption and stream gauges) under the names an OTLP collector
-gives them in Prometheus, and the control plane's own /metrics as a running one serves them."""
+gives them in Prometheus, and the control plane's own /metrics as a running one serves them; and its label matchers,
+groupings and legends name labels those series carry (the agents' attributes, dots to underscores)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from controlplane.app import create_app
 from controlplane.settings import Settings
 from edge_agent.telemetry import AgentTelemetry, TelemetrySettings
 from edge_agent.telemetry.probes import GPU_GAUGES
+from spillway.contract import names
 from tests.conftest import make_keys
 from tests.utils.server import serving
 
@@ -25,7 +27,13 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "grafana" / "sp
 # `_total` for counters, `_ratio` for gauges of unit 1, and annotations such as `{request}` dropped.
 UNITS = {"s": "seconds", "By": "bytes", "Cel": "celsius"}
 NAME = re.compile(r"\b((?:spillway|hw|system|gen_ai)_[a-z0-9_]+)\b")
-LABELS = re.compile(r"\{[^}]*\}|\bby \([^)]*\)")  # label matchers and groupings name labels, not metrics
+LABELS = re.compile(r"\{[^}]*\}|\bby \([^)]*\)|, \w+\)$")  # matchers, groupings, label_values' label: not metrics
+MATCHER = re.compile(r"(\w+)\s*(?:=~|!~|!=|=)\s*\"")
+GROUPING = re.compile(r"\b(?:by|without) \(([^)]*)\)")
+LEGEND = re.compile(r"\{\{(\w+)\}\}")
+LABEL_VALUES = re.compile(r"label_values\([^,]*, (\w+)\)")
+# Labels every scraped series has (the collector's `instance` is the agent id), histograms' `le`, and the GPU probes'.
+COMMON_LABELS = {"instance", "job", "le", "hw_id", "hw_type"}
 
 
 def prometheus_name(name: str, unit: str, kind: str) -> str:
@@ -36,8 +44,9 @@ def prometheus_name(name: str, unit: str, kind: str) -> str:
     return f"{base}_total" if kind == "counter" else base
 
 
-def agent_series() -> set[str]:
-    """Every series name the agent's instruments give in Prometheus (GPU gauges from the probes' own table)."""
+def agent_series(labels: set[str] | None = None) -> set[str]:
+    """Every series name the agent's instruments give in Prometheus (GPU gauges from the probes' own table); the
+    labels their points carry are added to `labels`."""
     reader = InMemoryMetricReader()
     settings = TelemetrySettings(agent_id="a1", control_plane=None, agent_token=None)
     telemetry = AgentTelemetry(settings, readers=[reader], probes=False)
@@ -46,14 +55,14 @@ def agent_series() -> set[str]:
     recorder.durations(1, "local", 0.001, 0.002, 0.003)
     recorder.batch(4, 0.002, ok=True)
     telemetry.policy_refusals.add(1)
-    telemetry.watch_queue(lambda: [({"model": "mlp", "priority": 1}, 3)])
+    telemetry.watch_queue(lambda: [({names.ATTR_MODEL: "mlp", names.ATTR_VERSION: "1", names.ATTR_PRIORITY: 1}, 3)])
     telemetry.watch_policy(lambda: (2, "control_plane"))
     generation = telemetry.generation("tiny-lm")
     generation.finished(1, "local", operation="chat", prompt_tokens=12, completion_tokens=8, ttft_s=0.05,
                         duration_s=0.4)  # fmt: skip
     engine = {"kv_blocks": {"used": 3, "total": 64}, "preemptions": 1, "active": 2}  # the gauges' keys of engine.json()
     telemetry.watch_engines(lambda: [("tiny-lm", engine)])
-    names = set()
+    series = set()
     data = reader.get_metrics_data()
     assert data is not None
     for resource in data.resource_metrics:
@@ -62,22 +71,28 @@ def agent_series() -> set[str]:
                 kind = type(metric.data).__name__.lower()  # sum, histogram, gauge
                 if kind == "histogram":
                     base = prometheus_name(metric.name, metric.unit, kind)
-                    names |= {f"{base}_bucket", f"{base}_sum", f"{base}_count"}
+                    series |= {f"{base}_bucket", f"{base}_sum", f"{base}_count"}
                 else:
-                    names.add(prometheus_name(metric.name, metric.unit, "counter" if kind == "sum" else kind))
+                    series.add(prometheus_name(metric.name, metric.unit, "counter" if kind == "sum" else kind))
+                for point in metric.data.data_points:
+                    (labels if labels is not None else set()).update(
+                        re.sub(r"[^a-zA-Z0-9_]", "_", key) for key in point.attributes or {}
+                    )
     telemetry.shutdown()
-    names |= {prometheus_name(name, unit, "gauge") for name, unit in GPU_GAUGES.items()}
-    return names
+    series |= {prometheus_name(name, unit, "gauge") for name, unit in GPU_GAUGES.items()}
+    return series
 
 
-def control_plane_series(tmp_path: Path) -> set[str]:
+def control_plane_series(tmp_path: Path, labels: set[str] | None = None) -> set[str]:
     url = f"sqlite:///{tmp_path / 'cp.db'}"
     viewer = make_keys(url)["viewer"]
     headers = {"Authorization": f"Bearer {viewer}"}
     with serving(create_app(Settings(database_url=url, control_loop_interval_s=0))) as base:
         httpx.get(f"{base}/api/v1/status", headers=headers, timeout=10).raise_for_status()  # a labelled series
         text = httpx.get(f"{base}/metrics", headers=headers, timeout=10).text
-    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    (labels if labels is not None else set()).update(key for line in lines for key in re.findall(r'(\w+)="', line))
+    return {line.split("{")[0].split(" ")[0] for line in lines}
 
 
 def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -104,6 +119,25 @@ def test_every_query_names_a_metric_that_exists(tmp_path: Path) -> None:
     assert generative <= used  # the generative panels: TTFT, TPOT, tokens/s, KV cache, preemptions, streams
     for expr in exprs:
         assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+
+
+def test_every_label_a_query_names_is_one_the_series_carry(tmp_path: Path) -> None:
+    """Matchers, groupings, legends and label_values name labels that exist: the agents' point attributes as the
+    collector turns them into labels (`spillway.model` -> `spillway_model`), the control plane's, the common ones."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    known = set(COMMON_LABELS)
+    agent_series(known)
+    control_plane_series(tmp_path, known)
+    assert {"spillway_model", "spillway_priority", "spillway_outcome", "spillway_policy_source"} <= known
+    targets = [t for p in panels(dashboard) for t in p.get("targets", [])]
+    definitions = [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    used: set[str] = set()
+    for expr in [t["expr"] for t in targets] + definitions:
+        used |= set(MATCHER.findall(expr)) | set(LABEL_VALUES.findall(expr))
+        used |= {label.strip() for group in GROUPING.findall(expr) for label in group.split(",") if label.strip()}
+    used |= {label for t in targets for label in LEGEND.findall(t.get("legendFormat", ""))}
+    assert {"spillway_model", "spillway_outcome", "spillway_priority"} <= used
+    assert used - known == set()
 
 
 def test_panels_are_laid_out_without_overlap_and_use_the_datasource_variable() -> None:

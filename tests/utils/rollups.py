@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import select
 
 from controlplane.db.models import Agent, MetricRollup
+from spillway.contract import names
 
 BOUNDS = [0.01, 0.1]  # 10 ms and 100 ms
 
@@ -33,7 +34,7 @@ def add_rollup(session: Any, agent: str, minute: datetime, metric: str, outcome:
         existing.count += values["count"]
         existing.buckets = [a + b for a, b in zip(existing.buckets, values["buckets"], strict=True)]
         return
-    attributes = {"model": model, "priority": 1, "outcome": outcome}
+    attributes = {names.ATTR_MODEL: model, names.ATTR_PRIORITY: 1, names.ATTR_OUTCOME: outcome}
     session.add(MetricRollup(agent_id=agent, metric=metric, series=series, attributes=attributes, minute=minute,
                              **values))  # fmt: skip
 
@@ -46,7 +47,9 @@ def add_requests(session: Any, agent: str, minute: datetime, n: int, fast: int, 
         add_rollup(session, agent, minute, "spillway.requests", "rejected", bad)
 
 
-def add_gauge(session: Any, agent: str, minute: datetime, metric: str, value: float, **attributes: Any) -> None:
+def add_gauge(session: Any, agent: str, minute: datetime, metric: str, value: float, **given: Any) -> None:
+    """A gauge reading; `model=`, `priority=` ... stand for the attributes' names (`spillway.model`, ...)."""
+    attributes = {names.LEGACY_ATTRIBUTES.get(key, key): value for key, value in given.items()}
     series = f"{metric}|{sorted(attributes.items())}"
     session.add(MetricRollup(agent_id=agent, metric=metric, series=series[:64], attributes=attributes,
                              minute=minute, kind="gauge", count=1, total=value, buckets=[], bounds=[], last=value,
