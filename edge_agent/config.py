@@ -139,7 +139,8 @@ class AgentConfig(BaseModel):
     aging_s: float | None = Field(default=None, gt=0, description="serve a request waiting this long first")
     allow_non_finite: bool = Field(default=True, description="accept NaN/Inf in float inputs")
     drain_timeout_s: float = Field(default=30.0, gt=0)
-    # Telemetry (OTLP metrics). Exported only when a destination is set.
+    # Telemetry: always on at GET /metrics (Prometheus); OTLP pushes to the control plane, `otlp_endpoints` or the
+    # standard OTEL_EXPORTER_OTLP_* variables when one is set.
     agent_id: str | None = Field(default=None, max_length=64, description="service.instance.id; default the host name")
     device_class: str = Field(default="cpu", max_length=32)
     labels: dict[str, str] = Field(default_factory=dict)
@@ -205,19 +206,43 @@ class AgentConfig(BaseModel):
             raise ValueError("latency_buckets_ms must be positive")
         return self
 
-    def telemetry(self) -> TelemetrySettings | None:
-        """Telemetry settings, or None when no destination is configured."""
-        if self.control_plane is None and not self.otlp_endpoints:
-            return None
+    def telemetry(self, environ: dict[str, str] | None = None) -> TelemetrySettings:
+        """Telemetry settings: this config's, with the standard OTEL_* variables (`environ`, default the process's)
+        where it says nothing (edge_agent/telemetry/environment.py). The config wins where both are set:
+        `otlp_endpoints` set -> the OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT is not used; `export_interval_s` set ->
+        OTEL_METRIC_EXPORT_INTERVAL is not; `agent_id` set -> it is service.instance.id, whatever
+        OTEL_RESOURCE_ATTRIBUTES says (without it, that one wins over the host name). The OTEL headers go to every
+        OTLP endpoint without headers of its own, never to the control plane. ValueError names a variable it cannot
+        use."""
+        from edge_agent.telemetry import environment
+        from edge_agent.telemetry.settings import OtlpDestination
+
+        env = dict(os.environ) if environ is None else environ
+        resource = environment.resource_attributes(env)
+        env_headers = tuple(environment.headers(env).items())
+        destinations: list[OtlpDestination] = []
+        for entry in self.otlp_endpoints:
+            if isinstance(entry, str):
+                destinations.append(OtlpDestination(entry, env_headers))
+            else:
+                own = tuple((key.lower(), value) for key, value in entry.headers.items())
+                destinations.append(OtlpDestination(entry.endpoint, own or env_headers, entry.protocol))
+        if not self.otlp_endpoints:
+            protocol = environment.protocol(env)
+            endpoint = environment.endpoint(env, protocol)
+            if endpoint is not None:
+                destinations.append(OtlpDestination(endpoint, env_headers, protocol))
+        interval = None if "export_interval_s" in self.model_fields_set else environment.export_interval_s(env)
         return TelemetrySettings(
-            agent_id=self.agent_id or socket.gethostname(),
+            agent_id=self.agent_id or resource.get("service.instance.id") or socket.gethostname(),
             device_class=self.device_class,
             labels=dict(self.labels),
             control_plane=self.control_plane,
             agent_token=self.agent_token.get_secret_value() if self.agent_token else None,
-            otlp_endpoints=tuple(self.otlp_endpoints),
-            export_interval_s=self.export_interval_s,
+            otlp_endpoints=tuple(destinations),
+            export_interval_s=self.export_interval_s if interval is None else interval,
             latency_buckets_ms=tuple(self.latency_buckets_ms),
+            resource_attributes=resource,
         )
 
     @model_validator(mode="after")

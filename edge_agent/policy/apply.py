@@ -146,7 +146,7 @@ class PolicyApplier:
 
     async def apply(self, document: PolicyDocument, source: Source, etag: str | None = None) -> bool:
         """Apply `document` whole, or refuse it (recorded, counted, logged) and keep the active policy."""
-        async with self._lock:
+        async with self._lock, self.registry.changing:  # (changing: not while a model loads or unloads)
             if self.closing:
                 return False
             try:
@@ -245,7 +245,7 @@ class PolicyApplier:
         loads: list[ModelVersion] = []
         unloads: list[tuple[str, int]] = []
         for name, model_plan in plan.models.items():
-            if name not in self.served:  # a generative model: see _engine_switches
+            if name not in self.served or name not in self.registry.names():  # generative, or unloaded: as is
                 continue
             target = self._target_versions(name, model_plan)
             loaded = set(self.registry.versions(name))
@@ -332,7 +332,7 @@ class PolicyApplier:
             if self.telemetry is not None:
                 self.telemetry.attach(model)
         for name, model_plan in plan.models.items():
-            if name not in self.served:
+            if name not in self.served or name not in self.registry.names():
                 continue
             self.registry.set_variant(name, None if model_plan.variant is None else model_plan.variant.version)
             delay = model_plan.max_queue_delay_us
@@ -395,7 +395,7 @@ class PolicyApplier:
     def json(self) -> dict[str, Any]:
         document = self.plan.document
         models: dict[str, Any] = {}
-        for name in sorted(self.served):
+        for name in sorted(set(self.served) & set(self.registry.names())):  # (not those unloaded meanwhile)
             plan = self.plan.models.get(name)
             first = next(iter(self.registry.of(name)), None)
             batching = None

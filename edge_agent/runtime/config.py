@@ -2,14 +2,16 @@
 
 Parsing goes through `inference.ModelConfig` from the tritonclient wheel, so a field Triton does not know is
 refused exactly as Triton would; the result is normalised into `spec.ModelConfig`, and anything the agent
-cannot honour is refused at load with a `ModelConfigError` naming the file and the field.
+cannot honour is refused at load with a `ModelConfigError` naming the file and the field. Fields that are only
+hints to Triton (`optimization`, `model_warmup`, ...) are accepted; `config_hints` says, one line per field, what
+the agent does instead, and the agent logs those lines once per model at load.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
@@ -18,6 +20,7 @@ import yaml
 from google.protobuf import json_format, text_format
 
 from edge_agent.errors import AgentError
+from edge_agent.runtime.gpu import GPU_PROVIDERS
 from spillway.contract.spec import (
     DynamicBatching,
     ModelConfig,
@@ -57,7 +60,8 @@ TRITON_DATATYPES = {
 MAX_PRIORITY_LEVELS = 1024
 
 # ModelConfig fields that change what a request means or how it is run, which the agent does not implement.
-# Fields that are only hints (optimization, parameters, model_warmup, metric_tags, model_metrics) are accepted.
+# Fields that are only hints (optimization, parameters, model_warmup, metric_tags, model_metrics) are accepted,
+# with a hint line at load (`config_hints`).
 _UNSUPPORTED_FIELDS = (
     "runtime",
     "batch_input",
@@ -72,7 +76,7 @@ _UNSUPPORTED_FIELDS = (
     "response_cache",
 )
 _UNSUPPORTED_TENSOR_FIELDS = ("reshape", "is_shape_tensor", "allow_ragged_batch", "optional", "is_non_linear_format_io")
-_UNSUPPORTED_INSTANCE_FIELDS = ("rate_limiter", "gpus", "secondary_devices", "profile", "passive", "host_policy")
+_UNSUPPORTED_INSTANCE_FIELDS = ("rate_limiter", "secondary_devices", "profile", "passive", "host_policy")
 
 
 class ModelConfigError(AgentError, ValueError):
@@ -284,6 +288,8 @@ def _queue_policy(policy: Any) -> QueuePolicy:
 
 
 def _instance_count(groups: Iterable[Any], refuse: _Refuse) -> int:
+    """Triton's count: `count` instances (one when unset) per group, and per listed GPU when it lists `gpus`."""
+    kinds = model_config_pb2().ModelInstanceGroup.Kind
     total = 0
     for index, group in enumerate(groups):
         for unsupported in _UNSUPPORTED_INSTANCE_FIELDS:
@@ -291,8 +297,99 @@ def _instance_count(groups: Iterable[Any], refuse: _Refuse) -> int:
                 raise refuse(f"instance_group[{index}].{unsupported}", "not supported by the Spillway agent")
         if group.count < 0:
             raise refuse(f"instance_group[{index}].count", f"{group.count} is negative")
-        total += max(group.count, 1)  # Triton's meaning: an unset count is one instance
+        if group.gpus and group.kind in (kinds.Value("KIND_CPU"), kinds.Value("KIND_MODEL")):
+            raise refuse(f"instance_group[{index}].gpus", f"kind {kinds.Name(group.kind)} runs on no GPU; list gpus "
+                         "with kind KIND_GPU, or remove them")  # fmt: skip
+        if any(device < 0 for device in group.gpus):
+            raise refuse(f"instance_group[{index}].gpus", f"{list(group.gpus)}: GPU ids are >= 0")
+        total += max(group.count, 1) * max(len(group.gpus), 1)  # Triton's meaning: an unset count is one instance
     return max(total, 1)
+
+
+def instance_devices(message: Any | None, count: int) -> tuple[int | None, ...]:
+    """The GPU each of the model's `count` instances is pinned to (None: the agent's `device_id`), as Triton places
+    them: a group's instances go round-robin over its `gpus` (`count` on each). All None without a config message,
+    or when the config no longer describes `count` instances (the file changed since it was loaded)."""
+    devices: list[int | None] = []
+    for group in [] if message is None else message.instance_group:
+        for _ in range(max(group.count, 1)):
+            devices += list(group.gpus) if group.gpus else [None]
+    if len(devices) != count:
+        return (None,) * count
+    return tuple(devices) if devices else (None,)
+
+
+def read_config_message(config: ModelConfig) -> Any | None:
+    """The loaded model's config file parsed again into Triton's message (None: it has none, or it no longer parses;
+    the agent serves what it loaded)."""
+    if not config.source.is_file():
+        return None
+    try:
+        return parse_config_file(config.source)
+    except ModelConfigError:
+        return None
+
+
+def config_hints(message: Any, name: str, providers: Sequence[str]) -> list[str]:
+    """One line per config field that the agent accepts without honouring it, naming the model, the field and what
+    the agent does instead. `providers`: the execution providers the model runs on."""
+    generative = message.platform == DECODER_PLATFORM
+    on_gpu = any(p in GPU_PROVIDERS for p in providers)
+    where = f"model {name!r}: config field"
+    runs = f"it runs on {list(providers)}"
+    hints = []
+    kinds = model_config_pb2().ModelInstanceGroup.Kind
+    for index, group in enumerate(message.instance_group):
+        field, kind = f"instance_group[{index}]", kinds.Name(group.kind)
+        count = max(group.count, 1) * max(len(group.gpus), 1)
+        if kind == "KIND_GPU" and not on_gpu:
+            hints.append(f"{where} {field}.kind: {kind} is not honoured: no GPU execution provider is available "
+                         f"({runs}); its {count} instance(s) run on the CPU")  # fmt: skip
+        elif kind == "KIND_CPU" and on_gpu:
+            hints.append(f"{where} {field}.kind: {kind} is not honoured: the agent's execution providers decide "
+                         f"({runs}; the agent setting `providers` chooses them)")  # fmt: skip
+        if group.gpus and not on_gpu:
+            hints.append(f"{where} {field}.gpus: {list(group.gpus)} is not honoured: no GPU execution provider is "
+                         f"available ({runs}); its {count} instance(s) run on the CPU")  # fmt: skip
+        elif group.gpus and generative:
+            hints.append(f"{where} {field}.gpus: {list(group.gpus)} is not honoured: a generative model runs every "
+                         "instance on the agent's `device_id`")  # fmt: skip
+    if message.HasField("optimization"):
+        hints.append(f"{where} optimization ({_optimization_summary(message.optimization)}) is not honoured: the "
+                     f"agent's execution providers decide (the agent setting `providers`; {runs})")  # fmt: skip
+    if message.parameters and not generative:
+        hints.append(f"{where} parameters {sorted(message.parameters)} is not honoured: parameters configure "
+                     f"generative models only (platform {DECODER_PLATFORM!r}); ignored")  # fmt: skip
+    if message.model_warmup:
+        instead = (
+            "the agent does not run configured warm-up requests"
+            if generative
+            else "the agent warms up with random inputs at batch sizes of its own, to measure its compute profile"
+        )
+        hints.append(f"{where} model_warmup is not honoured: {instead}")
+    if message.metric_tags:
+        hints.append(f"{where} metric_tags is not honoured: the agent's metrics carry the model, its version and "
+                     "the priority as attributes")  # fmt: skip
+    if message.HasField("model_metrics"):
+        hints.append(f"{where} model_metrics is not honoured: histogram buckets come from the agent's telemetry "
+                     "settings (`latency_buckets_ms`) or the active policy")  # fmt: skip
+    for output in message.output:
+        if output.label_filename:
+            hints.append(f"{where} output[{output.name}].label_filename is not honoured: the agent does not serve "
+                         "Triton's classification extension; the output is answered as a tensor")  # fmt: skip
+    return hints
+
+
+def _optimization_summary(optimization: Any) -> str:
+    """The optimization fields set, naming the execution accelerators (`tensorrt`, `openvino`, ...)."""
+    parts = []
+    for field, value in optimization.ListFields():
+        if field.name == "execution_accelerators":
+            names = [a.name for a in [*value.gpu_execution_accelerator, *value.cpu_execution_accelerator]]
+            parts.append(f"execution_accelerators: {', '.join(names) or 'none'}")
+        else:
+            parts.append(field.name)
+    return "; ".join(parts) or "empty"
 
 
 def _version_policy(policy: Any, refuse: _Refuse) -> VersionPolicy:

@@ -80,11 +80,12 @@ def load_repository(root: Path) -> Repository:
     """Load every model directory under `root` (hidden ones skipped); one bad model refuses the whole load."""
     if not root.is_dir():
         raise ModelConfigError(f"{root}: the model repository is not a directory")
-    models = {model_dir.name: load_model(model_dir) for model_dir in _model_dirs(root) if not is_generative(model_dir)}
+    models = {model_dir.name: load_model(model_dir) for model_dir in model_dirs(root) if not is_generative(model_dir)}
     return Repository(root=root, models=models)
 
 
-def _model_dirs(root: Path) -> list[Path]:
+def model_dirs(root: Path) -> list[Path]:
+    """The model directories of a repository: its sub-directories, hidden ones and `__pycache__` aside."""
     return [d for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".") and d.name != "__pycache__"]
 
 
@@ -108,7 +109,7 @@ class GenerativeModel:
 def generative_models(root: Path) -> dict[str, GenerativeModel]:
     """The generative models of a repository by name (ModelConfigError naming a version without its files)."""
     found = {}
-    for model_dir in _model_dirs(root) if root.is_dir() else []:
+    for model_dir in model_dirs(root) if root.is_dir() else []:
         if not is_generative(model_dir):
             continue
         config = load_model_config(model_dir) if any((model_dir / n).exists() for n in CONFIG_FILENAMES) else None

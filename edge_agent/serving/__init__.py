@@ -1,11 +1,18 @@
-"""The agent's HTTP side. Its modules, imported by name (this package imports none of them, so that a module that
+"""The agent's serving side. Its modules, imported by name (this package imports none of them, so that a module that
 needs only `models` does not pay for the server):
 
-- `server`: builds the registry and the `Agent` (app, policy applier, telemetry, overflow, async queue) and serves;
-- `app`: the ASGI app: health, metadata, statistics, jobs, and inference through the pipeline;
+- `server`: builds the registry and the `Agent` (app, policy applier, telemetry, overflow, async queue) and serves
+  HTTP and gRPC;
+- `app`: the ASGI app: health, metadata, config, statistics, jobs, the repository extension, /metrics, and inference
+  through the pipeline;
 - `pipeline`: one inference request, decode -> admission verdict -> scheduler | overflow -> one outcome;
 - `admission`: the frozen admission verdicts, pure functions of the policy and the scheduler's refusal;
-- `models`: the registry of loaded model versions and the variant routing.
+- `models`: the registry of loaded model versions and the variant routing;
+- `repository_api`: the model config as Triton prints it and the repository extension (index, load, unload);
+- `grpc_server`: Triton's GRPCInferenceService, every call answered by the app in-process;
+- `legacy_port`: the 0.1 HTTP port (8001), shared with gRPC for one release;
+- `openai_api`: the OpenAI-compatible API and Triton's generate extension of the generative models.
 """
 
-__all__ = ["admission", "app", "models", "pipeline", "server"]
+__all__ = ["admission", "app", "grpc_server", "legacy_port", "models", "openai_api", "pipeline", "repository_api",
+           "server"]  # fmt: skip

@@ -1,8 +1,12 @@
 """The Open Inference Protocol (KServe V2) over HTTP, as a plain ASGI app: lean enough to add well under
-a millisecond to a request, with Triton's status codes and error shape."""
+a millisecond to a request, with Triton's status codes and error shape. Beside inference: health, metadata,
+statistics, Triton's model config and repository extension (repository_api.py), `/metrics` and async jobs.
+
+A path no route has is answered 404; 405 (with `Allow`) only where the route exists for another method."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -20,8 +24,18 @@ from edge_agent.runtime.repository import UnknownModelError
 from edge_agent.serving.models import ModelRegistry
 from edge_agent.serving.pipeline import JOBS_PREFIX, InferencePipeline, PolicyGate, reject
 from edge_agent.serving.pipeline import respond as _respond
+from edge_agent.serving.repository_api import (
+    ModelControl,
+    RepositoryError,
+    check_load_body,
+    check_unload_body,
+    completed_config,
+    config_json,
+    generative_config,
+    parse_index_body,
+)
 from spillway.contract import names
-from spillway.contract.v2 import encode_error
+from spillway.contract.v2 import BodyTooLarge, ClientGone, encode_error, read_body
 
 if TYPE_CHECKING:
     from edge_agent.generation.pool import EnginePool
@@ -37,6 +51,9 @@ Receive = Any
 Send = Any
 
 _UNAUTHENTICATED = {"/v2/health/live"}
+_GET = ("GET", "HEAD")
+_POST = ("POST",)
+_CONTROL_BODY_BYTES = 1 << 20  # the repository extension's bodies are a few bytes of JSON
 # A job's status that the job store cannot read now (an I/O error) is asked for again after this long.
 STORE_UNAVAILABLE_RETRY_AFTER_S = 5
 
@@ -80,6 +97,9 @@ class InferenceApp:
         )  # fmt: skip
         self.ready = True
         self.unrouted: Counter[str] = Counter()  # infer requests for models that do not exist
+        # `GET /metrics`: (body, content type) in the Prometheus text format (None: 404, metrics are off).
+        self.metrics: Callable[[], tuple[bytes, str]] | None = None
+        self.control = ModelControl(registry, registry.source, policy=policy, engines=lambda: self.engines)
         # Run at lifespan startup (before the first request: the cached policy, the poller) and shutdown.
         self.on_startup: list[Callable[[], Awaitable[None]]] = []
         self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
@@ -105,16 +125,26 @@ class InferenceApp:
                     await _respond(send, 404, _openai_error("this agent serves no generative model", "model_not_found"))
                 else:
                     await self.openai.handle(method, path, headers, receive, send)
+                return
+            allowed = allowed_methods(path)
+            if allowed is None:
+                await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
+            elif method not in allowed:
+                methods = ", ".join(allowed)
+                await _respond(send, 405, encode_error(f"method {method} not allowed on {path}; use {allowed[0]}"),
+                               extra=[(b"allow", methods.encode())])  # fmt: skip
+            elif method == "POST" and path.startswith("/v2/repository/"):
+                await self._repository(path, headers, receive, send)
             elif method == "POST" and path.endswith(("/generate", "/generate_stream")):
                 await self._generate(path, headers, receive, send)
-            elif method == "POST" and path.endswith("/infer"):
+            elif method == "POST":
                 await self._infer(path, headers, receive, send)
-            elif method in ("GET", "HEAD") and path.startswith(JOBS_PREFIX):
+            elif path.startswith(JOBS_PREFIX):
                 await self._job(path[len(JOBS_PREFIX) :], send)
-            elif method in ("GET", "HEAD"):
-                await self._get(path, send)
+            elif path.strip("/") == "metrics":
+                await self._metrics(send)
             else:
-                await _respond(send, 405, encode_error(f"method {method} not allowed on {path}"))
+                await self._get(path, send)
         except UnknownModelError as exc:
             await _respond(send, 404, encode_error(str(exc)))
         except StoreUnavailable as exc:  # reading a job (or the status's job counts) from a store that refuses
@@ -177,6 +207,9 @@ class InferenceApp:
             await _respond_json(send, 200, {"model_stats": stats})
         elif len(parts) >= 3 and parts[:2] == ["v2", "models"]:
             name, version, rest = _model_path(parts[2:])
+            if rest == ["config"]:
+                await _respond_json(send, 200, self._config(name, version))
+                return
             model = self.registry.get(name, version)
             if rest == []:
                 await _respond_json(send, 200, self._metadata(model.config.name, version))
@@ -196,6 +229,21 @@ class InferenceApp:
                 await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
         else:
             await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
+
+    def _config(self, name: str, version: str | None) -> dict[str, Any]:
+        """Triton's model configuration endpoint: the config the model was loaded with, as Triton returns it."""
+        pool = self.engines.get(name) if name not in self.registry.names() else None
+        if pool is None:
+            model = self.registry.get(name, version)
+            message = model.triton_config
+            if message is None:  # a model handed to the registry without its file
+                message = completed_config(None, model.config, model.providers)
+            return config_json(message)
+        if version not in (None, "", pool.version):
+            raise UnknownModelError(f"unknown version '{version}' of model '{name}' (it serves {pool.version})")
+        source = self.registry.source
+        message = source.generative.get(name) if source is not None else None
+        return config_json(message if message is not None else generative_config(name, pool.version, None, ()))
 
     def _metadata(self, name: str, version: str | None) -> dict[str, Any]:
         model = self.registry.get(name, version)
@@ -228,6 +276,52 @@ class InferenceApp:
             extra.append((_H_RETRY_AFTER, b"1"))
         await _respond(send, 200, json.dumps(body).encode(), extra=extra)
 
+    async def _metrics(self, send: Send) -> None:
+        """`GET /metrics`: the agent's instruments in the Prometheus text format, collected off the event loop."""
+        if self.metrics is None:
+            await _respond(send, 404, encode_error("metrics are off"))
+            return
+        try:
+            body, content_type = await asyncio.to_thread(self.metrics)
+        except Exception:  # telemetry never takes a request down with a trace
+            log.exception("collecting the metrics failed")
+            await _respond(send, 500, encode_error("collecting the metrics failed; see the agent log"))
+            return
+        await _respond(send, 200, body, content_type=content_type.encode())
+
+    # ---- the repository extension (repository_api.py) -------------------------------------------------------------
+
+    async def _repository(self, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
+        """`POST /v2/repository/index`, `/v2/repository/models/{m}/load` and `.../unload`."""
+        try:
+            body = await read_body(receive, headers.get(b"content-length"), _CONTROL_BODY_BYTES)
+        except BodyTooLarge:
+            await _respond(send, 413, encode_error(f"the body is over {_CONTROL_BODY_BYTES} bytes"))
+            return
+        except ClientGone:
+            return
+        parts = path.strip("/").split("/")
+        try:
+            if parts == ["v2", "repository", "index"]:
+                rows = self.control.index(ready_only=parse_index_body(body))
+                await _respond(send, 200, json.dumps(rows).encode())
+                return
+            name, action = parts[3], parts[4]
+            if not self.ready:
+                await _respond(send, 503, encode_error(f"the agent is shutting down: {name!r} is not {action}ed"))
+                return
+            if action == "load":
+                check_load_body(name, body)
+                loaded = await self.control.load(name)
+                versions = [str(m.version) for m in loaded]
+                await _respond_json(send, 200, {"name": name, "versions": versions, "state": "READY"})
+            else:
+                check_unload_body(name, body)
+                await self.control.unload(name)
+                await _respond_json(send, 200, {"name": name, "state": "UNAVAILABLE", "reason": "unloaded"})
+        except RepositoryError as exc:
+            await _respond(send, exc.status, encode_error(str(exc)))
+
     async def _generate(self, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
         """Triton's generate extension, for the generative models (openai_api.py)."""
         name, version, rest = _model_action(path)
@@ -252,6 +346,27 @@ class InferenceApp:
             await reject(send, 404, str(exc), "unknown_model")
             return
         await self.pipeline.handle(path, requested, name, version, headers, receive, send)
+
+
+def allowed_methods(path: str) -> tuple[str, ...] | None:
+    """The methods a route takes (None: no route has that path, a 404). `/v1/...` is the OpenAI API's to answer."""
+    parts = path.strip("/").split("/")
+    if parts in (["v2"], ["v2", "health", "live"], ["v2", "health", "ready"], ["v2", "spillway", "status"],
+                 ["v2", "models", "stats"], ["metrics"]):  # fmt: skip
+        return _GET
+    if parts == ["v2", "repository", "index"]:
+        return _POST
+    if len(parts) == 5 and parts[:3] == ["v2", "repository", "models"] and parts[4] in ("load", "unload"):
+        return _POST
+    if path.startswith(JOBS_PREFIX):
+        return _GET
+    if len(parts) >= 3 and parts[:2] == ["v2", "models"]:
+        rest = _model_path(parts[2:])[2]
+        if rest in ([], ["ready"], ["stats"], ["config"]):
+            return _GET
+        if rest in (["infer"], ["generate"], ["generate_stream"]):
+            return _POST
+    return None
 
 
 def _model_action(path: str) -> tuple[str, str | None, list[str]]:

@@ -1,13 +1,18 @@
-"""The models the agent serves: each loaded version with its worker, looked up by name and version, and the route
-a request takes when a policy serves a variant in place of a model's default version."""
+"""The models the agent serves: each loaded version with its worker, looked up by name and version, the route
+a request takes when a policy serves a variant in place of a model's default version, and where the models come
+from (`ModelSource`), for the repository extension to load and unload them while the agent serves."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from edge_agent.runtime.repository import UnknownModelError
 from edge_agent.scheduling.worker import ModelWorker
-from spillway.contract.spec import ModelConfig
+from spillway.contract.spec import ModelConfig, ModelVersion
 
 
 @dataclass
@@ -16,10 +21,22 @@ class LoadedModel:
     version: int
     worker: ModelWorker
     providers: tuple[str, ...] = ()
+    triton_config: Any = None  # Triton's ModelConfig message as loaded and completed (`GET .../config`)
 
     @property
     def key(self) -> tuple[str, int]:
         return self.config.name, self.version
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The repository folder the registry's models were loaded from, and how to load one more version of them."""
+
+    root: Path
+    load: Callable[[ModelVersion], LoadedModel]  # instances, warm-up, worker; blocks: off the event loop
+    check_fits: Callable[[ModelVersion], object]  # GpuMemoryError / HostMemoryError unless it fits beside the rest
+    defaults: Mapping[str, int] = field(default_factory=dict)  # the agent's `default_versions`
+    generative: Mapping[str, Any] = field(default_factory=dict)  # each generative model's Triton config, as loaded
 
 
 class ModelRegistry:
@@ -43,6 +60,10 @@ class ModelRegistry:
             self._default[name] = version
         self._variant: dict[str, int] = {}
         self.retiring: list[LoadedModel] = []  # taken out of routing; answering what they had queued
+        self._unloaded: set[str] = set()  # taken out through the repository extension: their 404 says so
+        # One change of the loaded versions at a time: a policy's (apply.py), a load's or an unload's (repository_api).
+        self.changing = asyncio.Lock()
+        self.source: ModelSource | None = None  # None: models cannot be loaded while the agent serves
 
     def get(self, name: str, version: str | None = None) -> LoadedModel:
         """The loaded model a request for `name` (and `version`) is served by."""
@@ -53,6 +74,9 @@ class ModelRegistry:
         default = self._default.get(name)
         versions = self._by_name.get(name)
         if default is None or not versions:
+            if name in self._unloaded:
+                raise UnknownModelError(f"unknown model '{name}': it was unloaded (POST /v2/repository/models/{name}"
+                                        "/load loads it again)")  # fmt: skip
             raise UnknownModelError(f"unknown model '{name}'")
         variant = self._variant.get(name)
         if version is None or version == "":
@@ -120,3 +144,31 @@ class ModelRegistry:
 
     def retired(self, model: LoadedModel) -> None:
         self.retiring.remove(model)
+
+    def install(self, models: list[LoadedModel], default: int | None = None) -> list[LoadedModel]:
+        """Serve `models`, every version of one model, in place of the versions loaded now (a reload), with `default`
+        as its default version (None, or not among them: the newest); the versions replaced leave routing into
+        `retiring` and are returned, for the caller to close once they have answered their queues."""
+        name = models[0].config.name
+        if any(m.config.name != name for m in models):
+            raise ValueError(f"install takes the versions of one model, got {sorted({m.config.name for m in models})}")
+        replaced = self._take_out(name)
+        self._by_name[name] = {m.version: m for m in models}
+        self._default[name] = default if default in self._by_name[name] else max(self._by_name[name])
+        self._unloaded.discard(name)
+        return replaced
+
+    def remove(self, name: str) -> list[LoadedModel]:
+        """Take every version of `name` out of routing (new requests get 404 saying it was unloaded) into
+        `retiring`; returns them, for the caller to drain and close."""
+        if name not in self._default:
+            raise UnknownModelError(f"unknown model '{name}'")
+        self._unloaded.add(name)
+        return self._take_out(name)
+
+    def _take_out(self, name: str) -> list[LoadedModel]:
+        taken = [m for _, m in sorted(self._by_name.pop(name, {}).items())]
+        self._default.pop(name, None)
+        self._variant.pop(name, None)
+        self.retiring.extend(taken)
+        return taken

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,8 @@ from spillway.contract.spec import ModelConfig, ModelVersion
 from spillway.graceful import GracefulServer
 
 if TYPE_CHECKING:
+    import socket
+
     import numpy as np
 
     from edge_agent.generation.pool import EnginePool
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from edge_agent.overflow.queue import AsyncQueue
     from edge_agent.policy.client import PolicyPoller
     from edge_agent.runtime.repository import GenerativeModel
+    from edge_agent.serving.legacy_port import SidePorts
     from edge_agent.telemetry import LiveTelemetry
 
 log = logging.getLogger("spillway.agent")
@@ -61,11 +63,16 @@ def scheduler_config(model: ModelConfig, agent: AgentConfig) -> SchedulerConfig:
 
 
 def load_model(version: ModelVersion, agent: AgentConfig) -> LoadedModel:
-    """Create the model's instances, measure its warm-up profile, and put a worker in front."""
+    """Create the model's instances (each on the GPU its `instance_group.gpus` pins it to, else the agent's
+    `device_id`), measure its warm-up profile, and put a worker in front."""
+    from edge_agent.runtime.config import instance_devices, read_config_message
     from edge_agent.runtime.profile import warmup_batch_sizes
     from edge_agent.runtime.runner import OrtRunner
+    from edge_agent.serving.repository_api import completed_config
 
     threads = agent.intra_op_threads or (os.cpu_count() or 1)
+    message = read_config_message(version.config)
+    devices = [agent.device_id if d is None else d for d in instance_devices(message, version.config.instance_count)]
     runners = [
         OrtRunner(
             version,
@@ -73,32 +80,67 @@ def load_model(version: ModelVersion, agent: AgentConfig) -> LoadedModel:
             inter_op_threads=agent.inter_op_threads,
             providers=agent.providers,
             gpu_mem_limit=agent.gpu_mem_limit,
-            device_id=agent.device_id,
+            device_id=device,
         )
-        for _ in range(version.config.instance_count)
+        for device in devices
     ]
     profile = runners[0].warm_up(warmup_batch_sizes(max(1, version.config.max_batch_size)))
     scheduler = Scheduler(scheduler_config(version.config, agent), profile)
     worker = ModelWorker(scheduler, list(runners), profile, batching=version.config.max_batch_size > 0,
                          name=f"{version.config.name}-v{version.version}")  # fmt: skip
-    log.info("loaded %s v%d on %s; warm-up %s", version.config.name, version.version, runners[0].providers,
+    providers = tuple(runners[0].providers)
+    placed = f" (instances on devices {devices})" if set(devices) != {agent.device_id} else ""
+    log.info("loaded %s v%d on %s%s; warm-up %s", version.config.name, version.version, list(providers), placed,
              {k: f"{v * 1e3:.2f} ms" for k, v in profile.snapshot().items()})  # fmt: skip
-    return LoadedModel(version.config, version.version, worker, tuple(runners[0].providers))
+    return LoadedModel(version.config, version.version, worker, providers,
+                       completed_config(message, version.config, providers))  # fmt: skip
 
 
 def build_registry(agent: AgentConfig) -> ModelRegistry:
-    """Load every served version; `default_versions` that name no served version are refused at start."""
+    """Load every served version and log each model's config hints once; `default_versions` that name no served
+    version are refused at start. The registry keeps where its models came from, for the repository extension."""
+    from edge_agent.runtime.config import read_config_message
+    from edge_agent.runtime.repository import generative_models
+    from edge_agent.serving.models import ModelSource
+    from edge_agent.serving.repository_api import generative_config, log_config_hints
+
     repository = load_repository(agent.model_repository)
     unknown = sorted(set(agent.default_versions) - set(repository.models))
     if unknown:
         raise ModelConfigError(f"agent config default_versions: no model(s) {unknown} in {agent.model_repository}")
+    decoders: dict[str, tuple[Any, tuple[str, ...], str]] = {}  # name -> (config message, providers, version)
+    found = generative_models(agent.model_repository)
+    if found:
+        import onnxruntime as ort
+
+        from edge_agent.runtime.runner import PREFERRED_PROVIDERS, choose_providers
+
+        wanted = agent.providers or [p for p in PREFERRED_PROVIDERS if p != "TensorrtExecutionProvider"]
+        chosen = tuple(choose_providers(ort.get_available_providers(), wanted))  # as generation/load.py chooses
+        for name, decoder in found.items():
+            message = None if decoder.config is None else read_config_message(decoder.config)
+            decoders[name] = (message, chosen, decoder.folder.name)
     models = [load_model(version, agent) for version in repository]
     try:
-        return ModelRegistry(models, defaults=agent.default_versions)
+        registry = ModelRegistry(models, defaults=agent.default_versions)
     except UnknownModelError as exc:
         for model in models:
             model.worker.close()
         raise ModelConfigError(f"agent config default_versions: {exc}") from None
+    for name in registry.names():
+        first = registry.of(name)[0]
+        log_config_hints(name, read_config_message(first.config), first.providers)
+    for name, (message, chosen, _) in decoders.items():
+        log_config_hints(name, message, chosen)
+    registry.source = ModelSource(
+        agent.model_repository,
+        load=lambda version: load_model(version, agent),
+        check_fits=lambda version: check_variant_fits(version, agent),
+        defaults=dict(agent.default_versions),
+        generative={name: generative_config(name, version, message, chosen)
+                    for name, (message, chosen, version) in decoders.items()},
+    )  # fmt: skip
+    return registry
 
 
 def load_variant(version: ModelVersion, agent: AgentConfig) -> LoadedModel:
@@ -109,14 +151,18 @@ def load_variant(version: ModelVersion, agent: AgentConfig) -> LoadedModel:
 
 
 def check_variant_fits(version: ModelVersion, agent: AgentConfig) -> None:
-    """Refuse (GpuMemoryError, HostMemoryError) a version that would not fit beside the loaded ones."""
+    """Refuse (GpuMemoryError, HostMemoryError) a version that would not fit beside the loaded ones, on each GPU its
+    instances are pinned to (`instance_group.gpus`; else the agent's `device_id`)."""
     import onnxruntime as ort
 
+    from edge_agent.runtime.config import instance_devices, read_config_message
     from edge_agent.runtime.memory import check_load_fits
     from edge_agent.runtime.runner import choose_providers
 
     providers = choose_providers(ort.get_available_providers(), agent.providers)
-    check_load_fits(version, providers, device_id=agent.device_id, headroom=agent.load_headroom_bytes)
+    devices = instance_devices(read_config_message(version.config), version.config.instance_count)
+    for device in sorted({agent.device_id if d is None else d for d in devices}):
+        check_load_fits(version, providers, device_id=device, headroom=agent.load_headroom_bytes)
 
 
 def load_decoder_version(name: str, model: GenerativeModel, version: int, agent: AgentConfig) -> EnginePool:
@@ -148,7 +194,7 @@ class Agent:
     app: InferenceApp
     applier: PolicyApplier
     responses: ResponseCache
-    telemetry: LiveTelemetry | None
+    telemetry: LiveTelemetry  # always: /metrics, and the OTLP push where one is configured
     poller: PolicyPoller | None
     forwarder: Forwarder | None = None
     jobs: AsyncQueue | None = None
@@ -157,7 +203,7 @@ class Agent:
     def status(self) -> dict[str, Any]:
         """The body of `GET /v2/spillway/status`."""
         return {
-            "agent_id": self.config.agent_id or socket.gethostname(),
+            "agent_id": self.telemetry.base.agent_id,  # as the telemetry and the poller name it
             "role": self.config.role,
             "ready": self.app.ready,
             **self.applier.json(),
@@ -170,7 +216,7 @@ class Agent:
                 for m in self.registry.all()
                 for (priority, outcome), count in sorted(m.worker.stats.outcomes.items())
             ],
-            "telemetry": None if self.telemetry is None else self.telemetry.json(),
+            "telemetry": self.telemetry.json(),
             "generative": self.applier.generative_json(),
         }
 
@@ -200,8 +246,7 @@ class Agent:
             worker.close()
         for engine in self.engines.values():
             engine.close()
-        if self.telemetry is not None:
-            self.telemetry.shutdown()
+        self.telemetry.shutdown()
 
 
 def _default_outputs(config: AgentConfig, registry: ModelRegistry,
@@ -231,6 +276,10 @@ def _breaker_config(config: AgentConfig) -> Any:
 def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
     """Wire the app, the policy applier, the fallback cache, telemetry, overflow, the async queue and (with a
     control plane) the poller."""
+    try:
+        settings = config.telemetry()
+    except ValueError as exc:  # an OTEL_* variable the agent cannot use
+        raise ModelConfigError(f"telemetry: {exc}") from None
     generative = _generative_models(config)
     defaults = _default_outputs(config, registry, generative)
     gateway = config.gateway()
@@ -250,7 +299,7 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
     engines = _generative(config, generative)
     decoders = {name: ServedDecoder(model.folder.parent, int(model.folder.name), overflow=local_overflow)
                 for name, model in generative.items()}  # fmt: skip
-    agent_id = config.agent_id or socket.gethostname()
+    agent_id = settings.agent_id  # the config's; else OTEL_RESOURCE_ATTRIBUTES' service.instance.id; else the host
     polling = config.control_plane is not None and config.agent_token is not None
     applier = PolicyApplier(
         registry,
@@ -263,15 +312,20 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         decoders=decoders,
         load_engine=lambda name, version: load_decoder_version(name, generative[name], version, config),
     )
-    telemetry = None
-    settings = config.telemetry()
-    if settings is not None:
-        from edge_agent.telemetry import LiveTelemetry
+    from edge_agent.telemetry import LiveTelemetry, TelemetryConfigError
+    from edge_agent.telemetry.otlp import describe
 
+    try:  # always: /metrics needs no destination
         telemetry = LiveTelemetry(settings, registry, policy=lambda: (applier.plan.version or 0, applier.plan.source),
                                   engines=engines)  # fmt: skip
-        applier.telemetry = telemetry
-        log.info("exporting metrics every %.0f s as agent %s", settings.export_interval_s, settings.agent_id)
+    except TelemetryConfigError as exc:
+        raise ModelConfigError(f"telemetry: {exc}") from None
+    applier.telemetry = telemetry
+    if settings.destinations():
+        log.info("metrics at GET /metrics, and pushed every %g s as agent %s to %s", settings.export_interval_s,
+                 settings.agent_id, describe(settings))  # fmt: skip
+    else:
+        log.info("metrics at GET /metrics (to push them too: otlp_endpoints, or OTEL_EXPORTER_OTLP_ENDPOINT)")
     poller = None
     if polling:
         from edge_agent.policy.client import PolicyPoller
@@ -324,6 +378,8 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         openai=openai,
     )
     app.engines = engines
+    app.metrics = telemetry.metrics_text
+    app.control.on_loaded.append(telemetry.attach)
     agent = Agent(config, registry, app, applier, responses, telemetry, poller, forwarder, jobs, engines)
     app.status = agent.status
     app.on_startup.append(agent.start)
@@ -357,14 +413,39 @@ def _safe(agent_id: str) -> str:
 
 class DrainingServer(GracefulServer):
     """On SIGTERM/SIGINT: stop admitting (new requests get 503 `draining` with `Connection: close`), answer everything
-    queued, then close the listener and each connection between two requests (GracefulServer), then exit."""
+    queued, then close the listener and each connection between two requests (GracefulServer), then exit. The gRPC
+    server and the legacy port (`side`) close with the HTTP listener; RPCs in flight end within the drain's time."""
 
     def __init__(self, config: uvicorn.Config, app: InferenceApp, drain_timeout_s: float,
-                 applier: PolicyApplier | None = None) -> None:  # fmt: skip
+                 applier: PolicyApplier | None = None, side: SidePorts | None = None) -> None:  # fmt: skip
+        """`side`: the gRPC server and the legacy port (legacy_port.py), bound before the app starts, started after
+        it, drained with it."""
         super().__init__(config, close_timeout_s=drain_timeout_s)
         self.inference = app
         self.applier = applier
         self.drain_timeout_s = drain_timeout_s
+        self.side = side
+        self._side_drained: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.side is not None:
+            await self.side.bind(self.config.port)  # PortUnavailable: a start error, before the app starts
+        await super().startup(sockets=sockets)
+        if self.started and self.side is not None:
+            await self.side.start(self.servers[0].sockets[0].getsockname()[1])
+
+    async def close_listeners(self) -> None:
+        await super().close_listeners()
+        if self.side is not None:  # new RPCs refused from now on; those in flight end within the drain's time
+            self.side.close_listeners()
+            self._side_drained = asyncio.ensure_future(self.side.drain(self.drain_timeout_s))
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.side is not None:
+            if self._side_drained is not None and not self.force_exit:  # a second signal: no more waiting
+                await asyncio.wait([self._side_drained], timeout=self.drain_timeout_s)
+            await self.side.close(0.0 if self.force_exit else 1.0)
+        await super().shutdown(sockets=sockets)
 
     async def before_close(self) -> None:
         self.inference.ready = False
@@ -381,10 +462,19 @@ class DrainingServer(GracefulServer):
 
 
 def serve(config: AgentConfig, *, registry: ModelRegistry | None = None, log_level: str = "info") -> None:
+    """Serve until SIGTERM/SIGINT: HTTP on `port`, V2 gRPC on `grpc_port` and, for one release, the pre-0.2 HTTP port
+    (legacy_port.py). PortUnavailable (a ModelConfigError, exit 2): a gRPC port the config names cannot be served."""
+    from edge_agent.serving.legacy_port import SidePorts, plan_ports
+
+    ports = plan_ports(config)
     agent = build_agent(config, registry or build_registry(config))
     options: dict[str, Any] = {"host": config.host, "port": config.port, "log_level": log_level,
                                "access_log": False, "server_header": False, "lifespan": "on"}  # fmt: skip
-    server = DrainingServer(uvicorn.Config(agent.app, **options), agent.app, config.drain_timeout_s, agent.applier)
+    side = None
+    if ports.grpc is not None or ports.legacy is not None:
+        side = SidePorts(ports, agent.app, max_receive_bytes=config.max_body_bytes)
+    server = DrainingServer(uvicorn.Config(agent.app, **options), agent.app, config.drain_timeout_s, agent.applier,
+                            side)  # fmt: skip
     try:
         server.run()
     finally:

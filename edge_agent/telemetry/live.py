@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.telemetry.metrics import AgentTelemetry, TelemetrySettings
+from spillway.contract import names
 
 if TYPE_CHECKING:
     from edge_agent.generation.pool import EnginePool
@@ -26,7 +27,8 @@ log = logging.getLogger("spillway.agent.telemetry")
 
 
 class LiveTelemetry:
-    """The current AgentTelemetry for the registry's models; `reconfigure` swaps it for one with new settings."""
+    """The current AgentTelemetry for the registry's models (always built: `/metrics` needs no destination);
+    `reconfigure` swaps it for one with new settings."""
 
     def __init__(
         self,
@@ -63,10 +65,12 @@ class LiveTelemetry:
         def depths() -> Iterable[tuple[dict[str, Any], int]]:
             for model in self.registry.all():
                 for level, depth in enumerate(model.worker.scheduler.depth(), 1):
-                    yield {"model": model.config.name, "model.version": str(model.version), "priority": level}, depth
+                    yield {names.ATTR_MODEL: model.config.name, names.ATTR_VERSION: str(model.version),
+                           names.ATTR_PRIORITY: level}, depth  # fmt: skip
             for engine in [*self.engines.values(), *self.retiring]:
                 for level, depth in enumerate(engine.waiting_by_level(), 1):
-                    yield {"model": engine.name, "model.version": engine.version, "priority": level}, depth
+                    yield {names.ATTR_MODEL: engine.name, names.ATTR_VERSION: engine.version,
+                           names.ATTR_PRIORITY: level}, depth  # fmt: skip
 
         telemetry.watch_queue(depths)
         for engine in [*self.engines.values(), *self.retiring]:
@@ -140,7 +144,11 @@ class LiveTelemetry:
 
     def refused(self, source: str) -> None:
         """Count one refused policy document."""
-        self.current.policy_refusals.add(1, {"policy.source": source})
+        self.current.policy_refusals.add(1, {names.ATTR_POLICY_SOURCE: source})
+
+    def metrics_text(self) -> tuple[bytes, str]:
+        """`GET /metrics` (InferenceApp.metrics): the current pipeline's instruments in the Prometheus text format."""
+        return self.current.metrics_text()
 
     def json(self) -> dict[str, Any]:
         return {"export_interval_s": self.settings.export_interval_s,

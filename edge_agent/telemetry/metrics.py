@@ -1,48 +1,40 @@
 """The agent's OpenTelemetry meter provider: instruments named as in ARCHITECTURE.md ("Metric names"), explicit
-histogram buckets (so that every SLO latency threshold is a bucket boundary), OTLP/HTTP export that never
-blocks or crashes serving (its own thread, bounded timeouts; a failed export is logged and dropped)."""
+histogram buckets (so that every SLO latency threshold is a bucket boundary), always pulled at `/metrics`
+(prometheus.py) and pushed over OTLP to each configured destination (otlp.py), never blocking or crashing serving."""
 
 from __future__ import annotations
 
 import logging
 import socket
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
 
 from edge_agent import __version__
+from edge_agent.telemetry.otlp import SharedReader, otlp_exporters
 from edge_agent.telemetry.probes import register_probes
+from edge_agent.telemetry.prometheus import PrometheusExposition
+from edge_agent.telemetry.settings import OtlpDestination, TelemetryConfigError, TelemetrySettings
 from spillway.contract import names
-from spillway.contract.names import DEFAULT_LATENCY_BUCKETS_MS, DURATIONS
+from spillway.contract.names import DURATIONS
 
 log = logging.getLogger("spillway.agent.telemetry")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-
-@dataclass(frozen=True)
-class TelemetrySettings:
-    """Who the agent is and where its metrics go."""
-
-    agent_id: str
-    device_class: str = "cpu"
-    labels: dict[str, str] = field(default_factory=dict)
-    control_plane: str | None = None  # metrics go to <control_plane>/v1/metrics with the agent token
-    agent_token: str | None = None
-    otlp_endpoints: tuple[str, ...] = ()  # further OTLP/HTTP metrics endpoints (a collector), no token
-    export_interval_s: float = 5.0
-    export_timeout_s: float = 5.0
-    latency_buckets_ms: tuple[float, ...] = DEFAULT_LATENCY_BUCKETS_MS
+__all__ = ["AgentTelemetry", "GenerationRecorder", "ModelRecorder", "OtlpDestination", "TelemetryConfigError",
+           "TelemetrySettings", "resource_for"]  # fmt: skip
 
 
 def resource_for(settings: TelemetrySettings) -> Resource:
+    """The agent's resource: OTEL_RESOURCE_ATTRIBUTES under the agent's own attributes (which win)."""
     attributes: dict[str, Any] = {
+        **settings.resource_attributes,
         "service.name": names.SERVICE_NAME,
         "service.version": __version__,
         "service.instance.id": settings.agent_id,
@@ -53,31 +45,18 @@ def resource_for(settings: TelemetrySettings) -> Resource:
     return Resource.create(attributes)
 
 
-def otlp_readers(settings: TelemetrySettings) -> list[MetricReader]:
-    """One periodic reader per destination, each with the real OTLP/HTTP protobuf exporter."""
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
-    destinations: list[tuple[str, dict[str, str]]] = []
-    if settings.control_plane:
-        headers = {"Authorization": f"Bearer {settings.agent_token}"} if settings.agent_token else {}
-        destinations.append((settings.control_plane.rstrip("/") + "/v1/metrics", headers))
-    destinations += [(endpoint, {}) for endpoint in settings.otlp_endpoints]
-    return [
-        PeriodicExportingMetricReader(
-            OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=settings.export_timeout_s),
-            export_interval_millis=settings.export_interval_s * 1000,
-            export_timeout_millis=settings.export_timeout_s * 1000,
-        )
-        for endpoint, headers in destinations
-    ]
-
-
 class AgentTelemetry:
     """The meter provider and the agent's instruments; `recorder(model, version)` gives each model its hooks."""
 
     def __init__(
         self, settings: TelemetrySettings, *, readers: Sequence[MetricReader] | None = None, probes: bool = True
     ) -> None:
+        """Args:
+        settings: who the agent is, where the OTLP push goes, the buckets and the interval.
+        readers: readers instead of the OTLP push of `settings` (tests: an in-memory reader); `/metrics` is always
+            there.
+        probes: the host and GPU gauges.
+        """
         buckets_s = tuple(ms / 1000 for ms in sorted(settings.latency_buckets_ms))
         views = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(buckets_s))
                  for name in DURATIONS]  # fmt: skip
@@ -88,8 +67,11 @@ class AgentTelemetry:
                              (names.GENAI_TOKEN_USAGE, names.GENAI_TOKEN_BUCKETS),
                              (names.STEP_TOKENS, names.STEP_TOKEN_BUCKETS)):  # fmt: skip
             views.append(View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(bounds)))
-        all_readers = list(readers) if readers is not None else otlp_readers(settings)
-        self.provider = MeterProvider(resource=resource_for(settings), metric_readers=all_readers, views=views)
+        exporters = otlp_exporters(settings) if readers is None else []
+        self.reader = SharedReader(exporters, settings.export_interval_s, settings.export_timeout_s)
+        self.exposition = PrometheusExposition(self.reader.snapshot)
+        self.provider = MeterProvider(resource=resource_for(settings), metric_readers=[self.reader, *(readers or ())],
+                                      views=views)  # fmt: skip
         meter = self.provider.get_meter("spillway.edge_agent", __version__)
         self.requests = meter.create_counter(names.REQUESTS, unit="{request}", description="requests by outcome")
         self.request_duration = meter.create_histogram(
@@ -107,7 +89,7 @@ class AgentTelemetry:
             names.POLICY_REFUSALS, unit="{document}", description="policy documents refused (invalid or unfit)"
         )
         self._policy_source: Callable[[], tuple[int, str]] | None = None
-        meter.create_observable_gauge(names.POLICY_VERSION, callbacks=[self._observe_policy], unit="1",
+        meter.create_observable_gauge(names.POLICY_VERSION, callbacks=[self._observe_policy], unit="{version}",
                                       description="version of the active policy document (0: none)")  # fmt: skip
         self.ttft = meter.create_histogram(names.GENAI_TTFT, unit="s", description="time to the first token")
         self.tpot = meter.create_histogram(names.GENAI_TPOT, unit="s", description="time per output token after it")
@@ -165,7 +147,11 @@ class AgentTelemetry:
     def _observe_policy(self, _options: CallbackOptions) -> Iterable[Observation]:
         if self._policy_source is not None:
             version, source = self._policy_source()
-            yield Observation(version, {"policy.source": source})
+            yield Observation(version, {names.ATTR_POLICY_SOURCE: source})
+
+    def metrics_text(self) -> tuple[bytes, str]:
+        """`GET /metrics`: the Prometheus text of every instrument now, and its content type."""
+        return self.exposition.text()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Flush once and stop; bounded, and safe to call twice."""
@@ -174,6 +160,7 @@ class AgentTelemetry:
         self._closed = True
         try:
             self.provider.shutdown(timeout_millis=timeout_s * 1000)
+            self.exposition.close()
         except Exception:  # telemetry never takes the host down
             log.warning("telemetry shutdown failed", exc_info=True)
 

@@ -23,6 +23,12 @@ GPU_GAUGES = {
     "hw.gpu.utilization": "1",
     "hw.temperature": "Cel",
 }
+GPU_DESCRIPTIONS = {
+    "hw.gpu.memory.usage": "GPU memory in use (on a Jetson: the RAM it shares with the CPU)",
+    "hw.gpu.memory.limit": "GPU memory in all (on a Jetson: the RAM it shares with the CPU)",
+    "hw.gpu.utilization": "share of time the GPU was busy",
+    "hw.temperature": "temperature of a GPU or board sensor",
+}
 
 
 def _safe(read: Callable[[], Iterable[Observation]]) -> Callable[[CallbackOptions], Iterable[Observation]]:
@@ -51,18 +57,26 @@ def host_memory() -> Iterable[Observation]:
 
 
 class CpuUtilisation:
-    """Share of CPU time not idle since the previous reading, from /proc/stat."""
+    """Share of CPU time not idle since the previous reading, from /proc/stat. Readings closer than `min_window_s`
+    (a scrape of /metrics just after an OTLP export reads the gauge too) repeat the last value instead of measuring
+    a sliver of time."""
 
-    def __init__(self) -> None:
-        self._last: tuple[int, int] | None = None
+    def __init__(self, min_window_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._last: tuple[int, int, float] | None = None
+        self._value: float | None = None
+        self._min_window_s = min_window_s
+        self._clock = clock
 
     def __call__(self) -> Iterable[Observation]:
+        now = self._clock()
+        if self._last is not None and now - self._last[2] < self._min_window_s:
+            return [] if self._value is None else [Observation(self._value)]
         fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
         idle, total = fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields)
-        last, self._last = self._last, (idle, total)
-        if last is None or total == last[1]:
-            return []
-        return [Observation(1.0 - (idle - last[0]) / (total - last[1]))]
+        last, self._last = self._last, (idle, total, now)
+        if last is not None and total != last[1]:
+            self._value = 1.0 - (idle - last[0]) / (total - last[1])
+        return [] if self._value is None else [Observation(self._value)]
 
 
 class Nvml:
@@ -234,8 +248,10 @@ def open_jtop(open_timeout_s: float = JTOP_OPEN_TIMEOUT_S, clock: Callable[[], f
 
 
 def register_probes(meter: Meter) -> None:
-    meter.create_observable_gauge("system.memory.usage", callbacks=[_safe(host_memory)], unit="By")
-    meter.create_observable_gauge("system.cpu.utilization", callbacks=[_safe(CpuUtilisation())], unit="1")
+    meter.create_observable_gauge("system.memory.usage", callbacks=[_safe(host_memory)], unit="By",
+                                  description="host memory by state (used, free)")  # fmt: skip
+    meter.create_observable_gauge("system.cpu.utilization", callbacks=[_safe(CpuUtilisation())], unit="1",
+                                  description="share of CPU time not idle")  # fmt: skip
     readers: dict[str, Callable[[], Iterable[Observation]]]
     nvml = Nvml()
     if nvml.handles:
@@ -251,4 +267,5 @@ def register_probes(meter: Meter) -> None:
             return
         readers = {name: partial(jetson.read, name) for name in GPU_GAUGES}
     for name, unit in GPU_GAUGES.items():
-        meter.create_observable_gauge(name, callbacks=[_safe(readers[name])], unit=unit)
+        meter.create_observable_gauge(name, callbacks=[_safe(readers[name])], unit=unit,
+                                      description=GPU_DESCRIPTIONS[name])  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -47,8 +48,9 @@ class RunningAgent:
             time.sleep(0.05)
 
 
-def start_agent(repo: Path, workdir: Path, **settings: Any) -> RunningAgent:
-    """`spillway agent serve` as its own process (as in production: no GIL shared with the test's clients)."""
+def start_agent(repo: Path, workdir: Path, env: dict[str, str] | None = None, **settings: Any) -> RunningAgent:
+    """`spillway agent serve` as its own process (as in production: no GIL shared with the test's clients), with
+    `env` added to this process's environment."""
     port = free_port()
     config = workdir / f"agent-{port}.yaml"
     # Each agent caches policies in its own state directory unless the test shares one (a restart); each has its own
@@ -59,7 +61,7 @@ def start_agent(repo: Path, workdir: Path, **settings: Any) -> RunningAgent:
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "spillway.cli", "agent", "serve", "--config", str(config)],
-            stdout=out, stderr=subprocess.STDOUT,
+            stdout=out, stderr=subprocess.STDOUT, env=None if env is None else {**os.environ, **env},
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     headers = {"authorization": f"Bearer {settings['token']}"} if settings.get("token") else {}

@@ -160,7 +160,8 @@ def test_generative_telemetry_follows_the_genai_conventions(engine: GenerationEn
     assert tpot.count == 1 and tuple(tpot.explicit_bounds) == names.GENAI_TPOT_BUCKETS
     usage = {p.attributes[names.ATTR_GENAI_TOKEN_TYPE]: p.sum for p in points[names.GENAI_TOKEN_USAGE]}
     assert usage == {"input": len(b"measure me"), "output": chunks[-1].completion_tokens}
-    outcomes = {(p.attributes["priority"], p.attributes["outcome"]): p.value for p in points[names.REQUESTS]}
+    outcomes = {(p.attributes[names.ATTR_PRIORITY], p.attributes[names.ATTR_OUTCOME]): p.value
+                for p in points[names.REQUESTS]}  # fmt: skip
     assert outcomes == {(2, "local"): 1, (2, "rejected"): 1}  # the too-long one counted, once
     (total,) = points[names.KV_BLOCKS_TOTAL]
     assert total.value == engine.scheduler.blocks.total and points[names.KV_BLOCKS_USED][0].value == 0

@@ -259,11 +259,11 @@ def test_a_variant_switch_serves_new_streams_on_v2_while_v1_finishes_its_own(lm_
     state = seen["status"]
     assert (state["served_version"], state["default_version"], state["variant"], state["retiring_versions"]) == (
         2, 1, 2, [1])  # fmt: skip
-    assert seen["gauge"] == {(("model", TINY_LM),): 3}  # v1's three streams, under the model's name
+    assert seen["gauge"] == {(("spillway.model", TINY_LM),): 3}  # v1's three streams, under the model's name
     version, again, state = seen["reverted"]
     assert version == "1" and again["model_version"] == "1" and again["text_output"] == reference["text_output"]
     assert (state["served_version"], state["variant"], state["retiring_versions"]) == (1, None, [])
-    assert seen["gauge_after"] == {(("model", TINY_LM),): 0}
+    assert seen["gauge_after"] == {(("spillway.model", TINY_LM),): 0}
 
 
 def test_switching_back_while_the_old_version_drains_waits_for_it_instead_of_loading_a_third_copy(

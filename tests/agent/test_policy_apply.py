@@ -450,17 +450,17 @@ def test_refusals_and_the_active_version_are_metrics_and_new_buckets_rebuild_tel
 
     async def scenario(c: httpx.AsyncClient) -> None:
         (gauge,) = points(readers[0], "spillway.policy.version")
-        assert gauge.value == 0 and gauge.attributes == {"policy.source": "local"}
+        assert gauge.value == 0 and gauge.attributes == {"spillway.policy.source": "local"}
         assert not await apply(agent, document(1, mlp={"variant": 7}))
         (refused,) = points(readers[0], "spillway.policy.refusals")
-        assert refused.value == 1 and refused.attributes == {"policy.source": "control_plane"}
+        assert refused.value == 1 and refused.attributes == {"spillway.policy.source": "control_plane"}
         assert await apply(agent, {**document(2), "latency_buckets_ms": [3, 30], "export_interval_s": 2})
         assert len(made) == 2 and made[0]._closed  # the old pipeline was flushed and shut down
         await c.post("/v2/models/mlp/infer", json=infer_body(x, priority=1))
         (duration,) = points(readers[1], "spillway.request.duration")
         assert list(duration.explicit_bounds) == [0.003, 0.03]
         (gauge,) = points(readers[1], "spillway.policy.version")
-        assert gauge.value == 2 and gauge.attributes == {"policy.source": "control_plane"}
+        assert gauge.value == 2 and gauge.attributes == {"spillway.policy.source": "control_plane"}
         fallback = {"at_or_below": 3, "mode": "default", "default_outputs": default_output()}
         same_telemetry = {"latency_buckets_ms": [3, 30], "export_interval_s": 2}
         assert await apply(agent, {**document(3, mlp={"shed": {"at_or_below": 2}, "fallback": fallback}),
@@ -468,7 +468,7 @@ def test_refusals_and_the_active_version_are_metrics_and_new_buckets_rebuild_tel
         assert len(made) == 2  # unchanged settings: the pipeline stays
         for priority in (2, 3):
             await c.post("/v2/models/mlp/infer", json=infer_body(x, priority=priority))
-        counted = {(p.attributes["priority"], p.attributes["outcome"]): p.value
+        counted = {(p.attributes["spillway.priority"], p.attributes["spillway.outcome"]): p.value
                    for p in points(readers[1], "spillway.requests")}  # fmt: skip
         assert counted == {(1, "local"): 1, (2, "rejected"): 1, (3, "fallback_default"): 1}
         status = (await c.get("/v2/spillway/status")).json()
