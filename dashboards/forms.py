@@ -364,8 +364,9 @@ def rule_form(key: str, current: dict[str, Any] | None, disabled: bool, slo_name
 # -- backends --------------------------------------------------------------------------------------------------
 
 
-BACKEND_PROTOCOLS = ("v2", "openai")
+BACKEND_PROTOCOLS = ("v2", "v2_grpc", "openai")
 PROTOCOL_LABELS = {"v2": "v2: a KServe / Triton V2 inference server",
+                   "v2_grpc": "v2_grpc: a KServe / Triton V2 gRPC server (grpc://host:port)",
                    "openai": "openai: an OpenAI-compatible server (vLLM, TGI, llama.cpp, ...)"}  # fmt: skip
 
 
@@ -404,7 +405,8 @@ def backend_form(key: str, current: dict[str, Any] | None, disabled: bool) -> Bu
                                   index=BACKEND_PROTOCOLS.index(protocol) if protocol in BACKEND_PROTOCOLS else 0,
                                   format_func=PROTOCOL_LABELS.get)  # fmt: skip
             url = form.field("url", st.text_input, "Base URL", value=current.get("url", ""),
-                             help="v2: the server's root; openai: the root under which /v1/models and "
+                             help="v2: the server's root; v2_grpc: its gRPC address, grpc://host:port (Triton's "
+                             "8001, a Spillway agent's grpc_port); openai: the root under which /v1/models and "
                              "/v1/chat/completions are served")  # fmt: skip
             models = form.field("models", st.text_input, "Models (comma-separated, the edge's names)",
                                 value=",".join(current.get("models") or []))  # fmt: skip

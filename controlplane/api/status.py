@@ -125,7 +125,11 @@ class GatewayBackendState(BaseModel):
     id: str
     name: str
     url: str
-    protocol: str = Field(default="v2", description="v2 (Open Inference Protocol) or openai (OpenAI-compatible)")
+    protocol: str = Field(
+        default="v2",
+        description="v2 (Open Inference Protocol over HTTP), v2_grpc (the same over gRPC: Triton's/KServe's gRPC "
+        "port, a Spillway agent's grpc_port) or openai (OpenAI-compatible)",
+    )
     models: list[str]
     model_map: dict[str, str] = Field(
         default_factory=dict, description="openai backends: edge model name -> the backend's name for it"

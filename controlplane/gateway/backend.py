@@ -24,8 +24,14 @@ class BackendSpec:
     timeout_ms: int = 10_000
     binary_tensors: bool = True
     auth_header: str | None = field(default=None, repr=False)
-    protocol: str = "v2"  # v2 | openai
+    protocol: str = "v2"  # v2 | v2_grpc | openai
     model_map: Mapping[str, str] = field(default_factory=dict, hash=False)  # openai: edge model -> the backend's
+
+    @property
+    def request_protocol(self) -> str:
+        """The requests it takes: `v2` (a `v2` backend's, and a `v2_grpc` one's, spoken to it over gRPC) or `openai`.
+        Backends are peers (one request may try either) when their request protocol is the same."""
+        return "v2" if self.protocol == "v2_grpc" else self.protocol
 
     def cloud_model(self, model: str) -> str:
         """The backend's name for the edge's `model`."""

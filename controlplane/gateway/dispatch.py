@@ -89,7 +89,11 @@ _OPENAPI: dict[str, Any] = {
 }
 _RESPONSES: dict[int | str, dict[str, Any]] = {
     **{status: ERROR_RESPONSES[status] for status in (400, 401, 403, 404, 413)},
-    200: {"description": "the backend's answer, as it came (headers spillway-backend, spillway-attempts)"},
+    200: {
+        "description": "the backend's answer: as it came from a `v2` backend; from a `v2_grpc` one, its "
+        "ModelInferResponse as V2 JSON or binary tensors, as the request asked (headers spillway-backend, "
+        "spillway-attempts)"
+    },
     502: {"model": ErrorBody, "description": "backend_unavailable or bad_backend_response (or a backend's 502)"},
     503: {"model": ErrorBody, "description": "no_backend, no_healthy_backend or no_capacity (or a backend's 503)"},
     504: {"model": ErrorBody, "description": "deadline_exceeded (or a backend's 504)"},

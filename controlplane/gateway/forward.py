@@ -1,5 +1,6 @@
 """The gateway's async shell: authenticate, read the body, pick a backend, forward, retry elsewhere on a
-retriable failure while the deadline and the retry budget allow, stream the answer back.
+retriable failure while the deadline and the retry budget allow, stream the answer back. A V2 request goes to `v2`
+backends over HTTP and to `v2_grpc` ones as a gRPC ModelInfer (grpc_backend.py), which may be peers.
 
 Plain ASGI on purpose: the FastAPI stack (routing, dependencies, middleware) would cost more than the
 whole millisecond the gateway may add. Decisions are the pool's (pool.py); this module only moves bytes.
@@ -46,6 +47,8 @@ from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.deadline import deadline_us, header_length, read_body, timeout_header_us, timeout_parameter_us
 from controlplane.gateway.errors import BackendUnavailable, BadBackendResponse, DeadlineExceeded, Refusal
 from controlplane.gateway.eventlog import EventLog
+from controlplane.gateway.grpc_backend import GrpcAnswer, GrpcBackends, judge
+from controlplane.gateway.grpc_messages import GrpcRequest, http_answer, infer_request
 from controlplane.gateway.health import ReadinessChecker
 from controlplane.gateway.pool import BackendPool
 from controlplane.gateway.relay import OpenAIRelay
@@ -74,7 +77,10 @@ class _Request:
     header_length: int | None
     headers: dict[str, str]  # passed to every backend
     compressed: bool
+    model: str
+    version: str | None
     _translated: Translated | None = field(default=None, repr=False)
+    _grpc: GrpcRequest | None = field(default=None, repr=False)
 
     def translated(self) -> Translated:
         if self._translated is None:
@@ -85,6 +91,19 @@ class _Request:
             except TranslationError as exc:
                 raise InvalidRequest(str(exc)) from None
         return self._translated
+
+    def converted(self) -> bool:
+        return self._grpc is not None
+
+    def grpc(self) -> GrpcRequest:
+        if self._grpc is None:
+            if self.compressed:
+                raise InvalidRequest("a compressed request cannot be sent to a gRPC backend")
+            try:
+                self._grpc = infer_request(self.body, self.header_length, self.model, self.version)
+            except TranslationError as exc:
+                raise InvalidRequest(str(exc)) from None
+        return self._grpc
 
 
 class Gateway:
@@ -112,6 +131,7 @@ class Gateway:
         self._http: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._instruments: dict[str, Instruments] = {}
+        self.grpc = GrpcBackends()  # the channels to v2_grpc backends
         self.relay = OpenAIRelay(self)  # POST /v1/completions and /v1/chat/completions
 
     async def start(self, factory: sessionmaker[Session]) -> None:
@@ -125,7 +145,7 @@ class Gateway:
                                            skip_auto_headers=("Accept-Encoding", "User-Agent"),
                                            cookie_jar=aiohttp.DummyCookieJar())  # fmt: skip
         timeout = min(self.config.health_timeout_s, self.config.health_interval_s)
-        self.checker = ReadinessChecker(self.http, self.pool, timeout_s=timeout)
+        self.checker = ReadinessChecker(self.http, self.pool, timeout_s=timeout, grpc=self.grpc)
         try:
             await self.catalog.reload()
         except Exception:  # e.g. not migrated yet: the refresh loop and the first request try again
@@ -145,6 +165,7 @@ class Gateway:
         if self._http is not None:
             await self._http.close()
             self._http = None
+        await self.grpc.close()
 
     def http(self) -> aiohttp.ClientSession:
         if self._http is None:
@@ -181,6 +202,7 @@ class Gateway:
             self.events.add(transitions)
 
     def _forget(self, state: BackendState) -> None:
+        self.grpc.forget(state.id, grace_s=state.spec.timeout_ms / 1000)
         instruments = self._instruments.pop(state.id, None)
         if instruments is not None:
             self.metrics.forget(instruments.name)
@@ -259,7 +281,7 @@ class Gateway:
             assert content_encoding is not None
             headers["Content-Encoding"] = content_encoding.decode("latin-1")
         path = f"/v2/models/{model}/versions/{version}/infer" if version else f"/v2/models/{model}/infer"
-        request = _Request(path, body, length, headers, compressed)
+        request = _Request(path, body, length, headers, compressed, model, version)
         await self.forward(model, limit_us, partial(self._attempt, send, request), partial(self._give_up, send))
 
     async def forward(
@@ -316,6 +338,8 @@ class Gateway:
     ) -> Failure | None:
         """One try at one backend. None: answered (or cut off mid-stream); a Failure: retriable."""
         spec = state.spec
+        if spec.protocol == "v2_grpc":
+            return await self._attempt_grpc(send, request, state, timeout_s, attempt)
         instruments = self.instruments_of(spec)
         translated: Translated | None = None
         failure: str | None = None
@@ -397,6 +421,71 @@ class Gateway:
             log.warning("gateway: backend %s failed mid-answer (%s); the client's connection is cut", spec.name, error)
             return None
         return Failure(failure, f"backend '{spec.name}': {error}", spec)
+
+    async def _attempt_grpc(
+        self, send: Send, request: _Request, state: BackendState, timeout_s: float, attempt: int
+    ) -> Failure | None:
+        """One try at one `v2_grpc` backend: a ModelInfer, its answer written back as the V2 HTTP answer the client
+        asked for, its status judged as an HTTP one would be (grpc_backend.py)."""
+        spec = state.spec
+        instruments = self.instruments_of(spec)
+        try:
+            if len(request.body) <= INLINE_JSON or request.converted():
+                message = request.grpc()
+            else:
+                message = await to_thread.run_sync(request.grpc)
+        except BaseException:
+            self.pool.release(state)  # never sent: nothing to learn about the backend
+            raise
+        margin = min(DEADLINE_MARGIN_S, timeout_s * DEADLINE_MARGIN_SHARE)
+        failure: str | None = None
+        error: str | None = None
+        code = "error"
+        busy = False
+        instruments.outstanding.inc()
+        began = self.clock()
+        try:
+            result = await self.grpc.infer(spec, message.message, timeout_s, max(1, int((timeout_s - margin) * 1e6)))
+            # The backend's metadata worth passing on (spillway-outcome, spillway-reason, retry-after) as headers.
+            passed = [(key.encode(), value.encode("latin-1", "replace")) for key, value in result.metadata.items()]
+            extra = passed + answer_headers(spec, attempt)
+            if isinstance(result, GrpcAnswer):
+                code = "200"
+                try:
+                    if result.response.ByteSize() <= INLINE_JSON:
+                        body, length = http_answer(result.response, message.outputs)
+                    else:
+                        body, length = await to_thread.run_sync(http_answer, result.response, message.outputs)
+                except TranslationError as exc:
+                    failure, error = "bad_response", str(exc)[:300]
+                    raise BadBackendResponse(f"backend '{spec.name}': {exc}", {"backend": spec.name}) from None
+                extra += [(b"content-type", JSON if length is None else b"application/octet-stream"),
+                          (b"content-length", str(len(body)).encode())]  # fmt: skip
+                if length is not None:
+                    extra.append((b"inference-header-content-length", str(length).encode()))
+                await send({"type": "http.response.start", "status": 200, "headers": extra})
+                await send({"type": "http.response.body", "body": body})
+                return None
+            verdict = judge(result.code, result.metadata)
+            code, failure, busy = verdict.label, verdict.failure, verdict.busy
+            said = f"{result.code.name}: {result.details}"
+            if failure is not None:
+                error = said[:300]
+            body = orjson.dumps({"error": said})  # the V2 error shape
+            if verdict.retried:
+                if failure is None:  # busy: the last one's refusal is the answer
+                    return Failure("busy", f"backend '{spec.name}' answered {said}", spec, verdict.status, body,
+                                   ((b"content-type", JSON), *passed))  # fmt: skip
+                return Failure(failure, f"backend '{spec.name}': {said}", spec)
+            extra += [(b"content-type", JSON), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": verdict.status, "headers": extra})
+            await send({"type": "http.response.body", "body": body})
+            return None
+        finally:
+            seconds = self.clock() - began
+            instruments.outstanding.dec()
+            instruments.attempt(code, failure, seconds)
+            self.pool.release(state, failure=failure, error=error, seconds=seconds, busy=busy)
 
     async def _give_up(self, send: Send, last: Failure, attempts: int, why: str) -> None:
         """No (further) retry: the last failure is the answer; a backend's 502/503/504 passes as it came."""

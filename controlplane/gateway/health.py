@@ -1,6 +1,7 @@
 """Active readiness checks, the moving part: every interval, all backends at once; the pool decides what the
-answers mean. A V2 backend: `GET /v2/health/ready` and `GET /v2/models/{m}/ready` for each model it lists. An
-`openai` backend: one `GET /v1/models`, whose list must hold the backend's name (`model_map`) of each model."""
+answers mean. A V2 backend: `GET /v2/health/ready` and `GET /v2/models/{m}/ready` for each model it lists; a
+`v2_grpc` one: the same as the `ServerReady` and `ModelReady` RPCs. An `openai` backend: one `GET /v1/models`, whose
+list must hold the backend's name (`model_map`) of each model."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import aiohttp
 import orjson
 
 from controlplane.gateway.backend import BackendSpec
+from controlplane.gateway.grpc_backend import GrpcBackends
 from controlplane.gateway.pool import BackendPool
 
 SERVER_READY = "/v2/health/ready"
@@ -20,9 +22,17 @@ _MODELS_LIMIT = 4 << 20  # a model list longer than this is not one
 
 
 class ReadinessChecker:
-    def __init__(self, http: Callable[[], aiohttp.ClientSession], pool: BackendPool, *, timeout_s: float) -> None:
+    def __init__(
+        self,
+        http: Callable[[], aiohttp.ClientSession],
+        pool: BackendPool,
+        *,
+        timeout_s: float,
+        grpc: GrpcBackends | None = None,
+    ) -> None:
         self.http = http
         self.pool = pool
+        self.grpc = grpc or GrpcBackends()
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.rounds = 0
 
@@ -38,6 +48,8 @@ class ReadinessChecker:
         headers = {"Authorization": spec.auth_header} if spec.auth_header else {}
         if spec.protocol == "openai":
             return await self._check_openai(spec, headers)
+        if spec.protocol == "v2_grpc":
+            return await self.grpc.ready(spec, self.timeout.total or 1.0)
         paths = [SERVER_READY, *(f"/v2/models/{m}/ready" for m in spec.models)]
         probes = await asyncio.gather(*(self._probe(spec.url, path, headers) for path in paths))
         server_error = probes[0]

@@ -34,7 +34,7 @@ class OutlierDetector:
 
     def __init__(self, policy: OutlierPolicy, peers: Callable[[str, str], Sequence[BackendState]]) -> None:
         self.policy = policy
-        self.peers = peers  # (model, protocol) -> the backends serving it over that protocol
+        self.peers = peers  # (model, request protocol) -> the backends that take its requests
 
     def succeeded(self, state: BackendState) -> None:
         state.consecutive_failures = 0
@@ -50,7 +50,7 @@ class OutlierDetector:
 
     def may_eject(self, state: BackendState, now: float) -> bool:
         for model in state.spec.models:
-            peers = self.peers(model, state.spec.protocol)
+            peers = self.peers(model, state.spec.request_protocol)
             out = sum(1 for p in peers if p is not state and p.ejected(now))
             if out and (out + 1) * 100 > self.policy.max_ejection_percent * len(peers):
                 return False

@@ -23,7 +23,8 @@ class BackendPool:
     """Backends by id, and by protocol and model; `acquire` picks one for a request, `release` reports how it went.
 
     A V2 request and an OpenAI-compatible one for the same model name go to different backends (those of its
-    protocol), and outlier ejection counts a backend's peers among those of its protocol."""
+    protocol: a V2 one to `v2` and `v2_grpc` backends alike), and outlier ejection counts a backend's peers among
+    those of its request protocol."""
 
     def __init__(
         self,
@@ -67,7 +68,7 @@ class BackendPool:
         removed = [s for ident, s in self.states.items() if ident not in states]
         grouped: dict[str, dict[str, list[BackendState]]] = {protocol: {} for protocol in self.by_protocol}
         for state in states.values():
-            by_model = grouped.setdefault(state.spec.protocol, {})
+            by_model = grouped.setdefault(state.spec.request_protocol, {})
             for model in state.spec.models:
                 by_model.setdefault(model, []).append(state)
         self.states = states

@@ -3,7 +3,8 @@ make it unhealthy, `healthy_threshold` (1) passed check makes it healthy again.
 
 A backend (or a model newly listed on it) counts healthy until its first check; if that first check fails it is
 unhealthy at once: it never proved itself, and traffic should not wait two intervals to learn what one told.
-A check of a model passes when both `GET /v2/health/ready` and `GET /v2/models/{m}/ready` answer 200.
+A check of a model passes when both `GET /v2/health/ready` and `GET /v2/models/{m}/ready` answer 200 (for a `v2_grpc`
+backend: when `ServerReady` and `ModelReady` both say ready).
 """
 
 from __future__ import annotations

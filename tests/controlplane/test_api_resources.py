@@ -274,7 +274,7 @@ def test_openai_backends_carry_a_protocol_and_a_model_map(api: Api) -> None:
 @pytest.mark.parametrize(
     ("over", "field", "named"),
     [
-        ({"protocol": "grpc"}, "body.protocol", "'v2' or 'openai'"),
+        ({"protocol": "grpc"}, "body.protocol", "'v2', 'v2_grpc' or 'openai'"),
         ({"protocol": "openai", "model_map": {"bert": "x"}}, "body", "model_map: 'bert' is not one of"),
         ({"model_map": {"mlp": "cloud-mlp"}}, "body", "model_map: applies only to backends with protocol 'openai'"),
         ({"protocol": "openai", "model_map": {"mlp": "has space"}}, "body.model_map.mlp", "pattern"),
