@@ -63,6 +63,7 @@ sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
 from bench.common import DOCS, VENV_BIN, free_port, log, median, percentile  # noqa: E402
 from bench.procstat import cpu_seconds, loadavg, machine_busy_seconds, vm_hwm  # noqa: E402
+from spillway.contract import names  # noqa: E402
 from spillway.demo.harness import Process  # noqa: E402
 
 BEGIN = "<!-- bench/ingest.py: begin (generated; edit outside these markers) -->"
@@ -329,7 +330,9 @@ def make_exports(agent_id: str, seed: int, count: int) -> list[Export]:
     )
     depths = dict.fromkeys(PRIORITIES, 0)
     telemetry.watch_queue(
-        lambda: [({"model": "mlp", "model.version": "1", "priority": p}, depths[p]) for p in PRIORITIES]
+        lambda: [
+            ({names.ATTR_MODEL: "mlp", names.ATTR_VERSION: "1", names.ATTR_PRIORITY: p}, depths[p]) for p in PRIORITIES
+        ]
     )
     stats = ModelStats(listener=telemetry.recorder("mlp", 1))
     rng = random.Random(seed)

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from bench.common import median
 from controlplane.db import make_engine, make_sessionmaker, migrate_to
 from controlplane.db.models import Agent, MetricRollup, Rule, Slo
+from spillway.contract import names
 
 BOUNDS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
 OUTCOMES = ("local", "rejected", "overflow")
@@ -52,7 +53,8 @@ def _rollups(agents: list[str], minute: datetime, rng: random.Random) -> list[di
             for priority in (1, 2, 3):
                 for outcome in OUTCOMES:
                     n = rng.randint(50, 400)
-                    attributes = {"model": model, "model.version": "1", "priority": priority, "outcome": outcome}
+                    attributes = {names.ATTR_MODEL: model, names.ATTR_VERSION: "1", names.ATTR_PRIORITY: priority,
+                                  names.ATTR_OUTCOME: outcome}  # fmt: skip
                     key = f"{agent}{model}{priority}{outcome}"
                     rows.append({"agent_id": agent, "metric": "spillway.requests", "series": f"r{key}",
                                  "attributes": attributes, "minute": minute, "kind": "sum", "count": 0,

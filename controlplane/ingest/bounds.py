@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from spillway.contract.names import (
     BATCH_SIZE,
+    BATCH_SIZE_BUCKETS,
     DEFAULT_LATENCY_BUCKETS_MS,
     DURATIONS,
     GENAI_DURATION_BUCKETS,
@@ -40,8 +41,6 @@ from spillway.contract.names import (
     STEP_TOKENS,
 )
 
-# The agent's batch-size buckets (edge_agent/telemetry/metrics.py BATCH_BUCKETS; a test keeps the two equal).
-BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _REL = 1e-9  # bounds this close are the same bound (ms / 1000 computed on either side, or typed as 0.005)
 _SHOWN = 20  # bounds listed in a message, at most
 _FITS_KEPT = 10_000  # (metric, unit, bounds) verdicts remembered; cleared when it grows past this

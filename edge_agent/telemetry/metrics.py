@@ -25,7 +25,7 @@ from spillway.contract.names import DURATIONS
 
 log = logging.getLogger("spillway.agent.telemetry")
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_BUCKETS = names.BATCH_SIZE_BUCKETS
 
 __all__ = ["AgentTelemetry", "GenerationRecorder", "ModelRecorder", "OtlpDestination", "TelemetryConfigError",
            "TelemetrySettings", "resource_for"]  # fmt: skip

@@ -37,6 +37,7 @@ KV_BLOCKS_USED = "spillway.kv.blocks.used"  # gauge: model
 KV_BLOCKS_TOTAL = "spillway.kv.blocks.total"  # gauge: model
 PREEMPTIONS = "spillway.generation.preemptions"  # counter: model
 STEP_TOKENS = "spillway.generation.step.tokens"  # histogram, {token}: tokens one engine step computed; model
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # spillway.batch.size's bounds, rows
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 ACTIVE_STREAMS = "spillway.generation.streams.active"  # gauge: model; sequences admitted and not yet finished
 GENAI_METRICS = (GENAI_TTFT, GENAI_TPOT, GENAI_REQUEST_DURATION, GENAI_TOKEN_USAGE)
@@ -122,6 +123,7 @@ __all__ = [
     "ATTR_PRIORITY",
     "ATTR_VERSION",
     "BATCH_SIZE",
+    "BATCH_SIZE_BUCKETS",
     "COMPUTE_DURATION",
     "DEFAULT_LATENCY_BUCKETS_MS",
     "DEVICE_GAUGES",
