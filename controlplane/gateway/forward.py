@@ -471,6 +471,10 @@ class Gateway:
             said = f"{result.code.name}: {result.details}"
             if failure is not None:
                 error = said[:300]
+            if verdict.status == 413:  # too large for this backend (grpc's own limit, or its memory): say whose
+                said = f"payload too large for backend '{spec.name}': {said}"
+                if "spillway-reason" not in result.metadata:
+                    extra.append((b"spillway-reason", b"payload_too_large"))
             body = orjson.dumps({"error": said})  # the V2 error shape
             if verdict.retried:
                 if failure is None:  # busy: the last one's refusal is the answer

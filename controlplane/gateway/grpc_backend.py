@@ -9,9 +9,12 @@ the gateway gives up. Readiness: `ServerReady` and `ModelReady` for each model i
 
 A gRPC status is judged as forward.py judges an HTTP status (`judge`):
 
-    UNAVAILABLE with retry-after, RESOURCE_EXHAUSTED   busy: tried elsewhere, no mark against the backend
-                                                       (the last one's 503 / 429 is the answer)
+    UNAVAILABLE with retry-after                       busy: tried elsewhere, no mark against the backend
+    RESOURCE_EXHAUSTED with retry-after, or with a     (the last one's 503 / 429 is the answer)
+      spillway-reason that says busy (queue_full, ...)
     UNAVAILABLE without (no server, or a broken one)   connect: tried elsewhere, counted (outlier ejection)
+    RESOURCE_EXHAUSTED without either                  too large (grpc's "larger than max", an agent's 507): the
+                                                       same everywhere, so passed on as 413, not retried, not counted
     DEADLINE_EXCEEDED                                  timeout: tried elsewhere while time is left, counted; else
                                                        the gateway's 504 deadline_exceeded
     CANCELLED                                          reset: tried elsewhere, counted
@@ -77,16 +80,21 @@ _PASSED = {Code.INVALID_ARGUMENT: 400, Code.OUT_OF_RANGE: 400, Code.UNAUTHENTICA
            Code.PERMISSION_DENIED: 403, Code.NOT_FOUND: 404, Code.ALREADY_EXISTS: 409, Code.FAILED_PRECONDITION: 409,
            Code.ABORTED: 409}  # fmt: skip
 _BACKEND_ERROR = {Code.UNIMPLEMENTED: 501}  # others (INTERNAL, UNKNOWN, DATA_LOSS): 500
+# A Spillway agent's reasons that say "busy now" (its 429 carries one, with retry-after, as trailing metadata).
+_BUSY_REASONS = frozenset({"queue_full", "deadline_unmeetable", "no_capacity", "shed", "draining"})
 
 
 def judge(code: grpc.StatusCode, metadata: dict[str, str]) -> Verdict:
     """A non-OK status as the gateway's outcome (the table in the module's docstring)."""
     if code == Code.UNAVAILABLE:
-        if "retry-after" in metadata:
+        if "retry-after" in metadata:  # as the HTTP path's 503
             return Verdict(503, None, retried=True, busy=True)
         return Verdict(503, "connect", retried=True)
     if code == Code.RESOURCE_EXHAUSTED:
-        return Verdict(429, None, retried=True, busy=True)
+        if "retry-after" in metadata or metadata.get("spillway-reason") in _BUSY_REASONS:
+            return Verdict(429, None, retried=True, busy=True)
+        # grpc's own "message larger than max", or a backend out of memory for it: the request is the problem
+        return Verdict(413, None, retried=False)
     if code == Code.DEADLINE_EXCEEDED:
         return Verdict(504, "timeout", retried=True)
     if code == Code.CANCELLED:

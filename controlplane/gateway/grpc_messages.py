@@ -24,10 +24,10 @@ import numpy as np
 import orjson
 from tritonclient.grpc import service_pb2
 
-from controlplane.gateway.translate import MAX_ELEMENTS, BinaryOutputs, TranslationError
+from controlplane.gateway.translate import MAX_ELEMENTS, BinaryOutputs, TranslationError, decode_body
 from spillway.contract.grpc_codec import parameters_to_dict, raw_tensor, set_parameters
 from spillway.contract.spec import TensorSpec
-from spillway.contract.v2 import V2_TO_NUMPY, DecodedRequest, TensorError, decode_request, encode_response
+from spillway.contract.v2 import V2_TO_NUMPY, TensorError, encode_response
 
 __all__ = ["GrpcRequest", "http_answer", "infer_request"]
 
@@ -54,17 +54,12 @@ def infer_request(body: bytes, header_length: int | None, model: str, version: s
         TranslationError: the request is malformed, or holds a parameter gRPC cannot carry (an object, an array, a
             null); the message names the input, output or parameter, as the agent's would.
     """
-    if not isinstance(body, bytes):
-        body = bytes(body)
-    try:
-        decoded = decode_request(body, header_length, max_elements=MAX_ELEMENTS)
-    except TensorError as exc:
-        raise TranslationError(str(exc)) from None
-    json_end = len(body) if header_length is None else header_length
-    doc = _loads(body[:json_end])  # decode_request has checked every field used below
+    v2 = decode_body(body, header_length)
+    body, decoded = v2.raw, v2.request
+    doc = _loads(v2.head)  # decode_body has checked every field used below
     message = service_pb2.ModelInferRequest(model_name=model, model_version=version or "", id=decoded.id or "")
     _set_parameters(message.parameters, decoded.parameters, "request", skip="binary_data_output")
-    offset = json_end
+    offset = v2.json_end
     for raw, item in zip(doc["inputs"], decoded.inputs, strict=True):
         tensor = message.inputs.add(name=item.name, datatype=item.datatype, shape=item.shape)
         parameters = raw.get("parameters") or {}
@@ -78,7 +73,7 @@ def infer_request(body: bytes, header_length: int | None, model: str, version: s
     for raw in doc.get("outputs") or ():
         output = message.outputs.add(name=raw["name"])
         _set_parameters(output.parameters, raw.get("parameters") or {}, f"output {raw['name']!r}", skip="binary_data")
-    return GrpcRequest(message, _outputs(decoded))
+    return GrpcRequest(message, v2.outputs)
 
 
 def http_answer(response: Any, outputs: BinaryOutputs) -> tuple[bytes, int | None]:
@@ -125,10 +120,6 @@ def http_answer(response: Any, outputs: BinaryOutputs) -> tuple[bytes, int | Non
         )
     except TensorError as exc:  # an output the client asked for is missing
         raise TranslationError(f"backend response: {str(exc).removeprefix('request body: ')}") from None
-
-
-def _outputs(decoded: DecodedRequest) -> BinaryOutputs:
-    return BinaryOutputs(None if decoded.outputs is None else tuple(decoded.outputs), decoded.binary_output_default)
 
 
 def _loads(head: bytes) -> Any:

@@ -28,11 +28,11 @@ class ReadinessChecker:
         pool: BackendPool,
         *,
         timeout_s: float,
-        grpc: GrpcBackends | None = None,
+        grpc: GrpcBackends,  # the gateway's channels (it closes them): a checker of its own would leak its channels
     ) -> None:
         self.http = http
         self.pool = pool
-        self.grpc = grpc or GrpcBackends()
+        self.grpc = grpc
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.rounds = 0
 

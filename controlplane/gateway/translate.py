@@ -26,6 +26,7 @@ from spillway.contract.spec import TensorSpec
 from spillway.contract.v2 import (
     FLOATS,
     V2_TO_NUMPY,
+    DecodedRequest,
     InferInput,
     RequestedOutput,
     TensorError,
@@ -34,7 +35,8 @@ from spillway.contract.v2 import (
     encode_response,
 )
 
-__all__ = ["BinaryOutputs", "Translated", "TranslationError", "request_to_json", "response_from_json"]
+__all__ = ["BinaryOutputs", "Translated", "TranslationError", "V2Body", "decode_body", "request_to_json",
+           "response_from_json"]  # fmt: skip
 
 MAX_ELEMENTS = 1 << 26  # per tensor, as the agent's decoder allows by default
 _SLOT = "x"  # the name under which one tensor goes through the codec's writer
@@ -60,6 +62,41 @@ class BinaryOutputs:
 
 
 @dataclass(frozen=True, slots=True)
+class V2Body:
+    """A V2 infer request's body, checked and decoded by the agent's codec, and where its JSON part ends."""
+
+    raw: bytes
+    request: DecodedRequest
+    json_end: int
+
+    @property
+    def head(self) -> bytes:
+        """The JSON part (the whole body when nothing in it is binary)."""
+        return self.raw[: self.json_end]
+
+    @property
+    def outputs(self) -> BinaryOutputs:
+        """The client's output choices."""
+        request = self.request
+        return BinaryOutputs(None if request.outputs is None else tuple(request.outputs), request.binary_output_default)
+
+
+def decode_body(body: bytes, header_length: int | None) -> V2Body:
+    """A V2 infer request's body (JSON, or JSON and binary tensors as `header_length` says) decoded and checked.
+
+    Raises:
+        TranslationError: the request is malformed; the message names the input, output or field.
+    """
+    if not isinstance(body, bytes):
+        body = bytes(body)
+    try:
+        decoded = decode_request(body, header_length, max_elements=MAX_ELEMENTS)
+    except TensorError as exc:
+        raise TranslationError(str(exc)) from None
+    return V2Body(body, decoded, len(body) if header_length is None else header_length)
+
+
+@dataclass(frozen=True, slots=True)
 class Translated:
     """A request rewritten as pure JSON, and what `response_from_json` needs to answer like the client asked."""
 
@@ -81,20 +118,14 @@ def request_to_json(body: bytes, header_length: int | None) -> Translated:
         TranslationError: the request is malformed, or a binary input holds what JSON cannot carry (BYTES
             that are not UTF-8, NaN, Infinity); the message names the input or output, or "request body".
     """
-    if not isinstance(body, bytes):
-        body = bytes(body)
-    try:
-        decoded = decode_request(body, header_length, max_elements=MAX_ELEMENTS)
-    except TensorError as exc:
-        raise TranslationError(str(exc)) from None
-    outputs = BinaryOutputs(None if decoded.outputs is None else tuple(decoded.outputs), decoded.binary_output_default)
-    json_end = len(body) if header_length is None else header_length
+    v2 = decode_body(body, header_length)
+    body, outputs = v2.raw, v2.outputs
     # No binary part and no binary_data key (even spelled with \u escapes): nothing to rewrite.
-    if json_end == len(body) and b"binary_data" not in body and b"\\u" not in body:
+    if v2.json_end == len(body) and b"binary_data" not in body and b"\\u" not in body:
         return Translated(body, outputs)
 
-    doc: dict[str, Any] = orjson.loads(body[:json_end])  # decode_request has checked every field used below
-    doc["inputs"] = [_json_input(raw, item) for raw, item in zip(doc["inputs"], decoded.inputs, strict=True)]
+    doc: dict[str, Any] = orjson.loads(v2.head)  # decode_body has checked every field used below
+    doc["inputs"] = [_json_input(raw, item) for raw, item in zip(doc["inputs"], v2.request.inputs, strict=True)]
     if doc.get("outputs"):
         doc["outputs"] = [_without_parameter(raw, "binary_data") for raw in doc["outputs"]]
     doc = _without_parameter(doc, "binary_data_output")

@@ -85,8 +85,9 @@ class Seen:
 @dataclass
 class V2Server(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     """A V2 gRPC server in this process (grpcio's threaded server). `mode`: ok, busy (UNAVAILABLE with retry-after,
-    as a full Spillway agent answers), exhausted (RESOURCE_EXHAUSTED), internal (INTERNAL); `delay_s` before an
-    answer; `typed`: outputs in typed `contents` rather than raw; `ready`: what ServerReady says."""
+    as a full Spillway agent answers), exhausted (RESOURCE_EXHAUSTED with retry-after, as an agent's 429), internal
+    (INTERNAL); `delay_s` before an answer; `typed`: outputs in typed `contents` rather than raw; `ready`: what
+    ServerReady says; `max_receive`: grpc's own limit on a request's size (None: its default)."""
 
     name: str
     sessions: dict[str, ort.InferenceSession]
@@ -96,6 +97,7 @@ class V2Server(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     ready: bool = True
     seen: list[Seen] = field(default_factory=list)
     port: int = 0
+    max_receive: int | None = None
     _server: Any = None
 
     @property
@@ -103,7 +105,8 @@ class V2Server(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return f"grpc://127.0.0.1:{self.port}"
 
     def start(self) -> V2Server:
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=8))
+        options = [] if self.max_receive is None else [("grpc.max_receive_message_length", self.max_receive)]
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=8), options=options)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self, self._server)
         self.port = self._server.add_insecure_port("127.0.0.1:0")
         self._server.start()
@@ -131,6 +134,7 @@ class V2Server(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             context.set_trailing_metadata((("retry-after", "2"), ("spillway-reason", "queue_full")))
             context.abort(grpc.StatusCode.UNAVAILABLE, "the queue is full")
         if self.mode == "exhausted":
+            context.set_trailing_metadata((("retry-after", "3"), ("spillway-reason", "queue_full")))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no capacity left")
         if self.mode == "internal":
             context.abort(grpc.StatusCode.INTERNAL, "the runtime failed")
@@ -351,6 +355,37 @@ def test_an_unavailable_backend_is_tried_and_the_other_answers(unchecked: Plane,
     two.reset(mode="exhausted")
     full = plane.infer(mlp_json())
     assert full.status_code == 429 and "no capacity left" in full.json()["error"], full.text
+    assert full.headers["retry-after"] == "3" and full.headers["spillway-reason"] == "queue_full"
+    assert plane.gateway()[busy["name"]]["errors"] == 0
+
+
+def test_a_request_too_large_for_the_backends_is_a_413_not_a_retry(
+    unchecked: Plane, sessions: dict[str, ort.InferenceSession]
+) -> None:
+    """grpc's own "message larger than max" is RESOURCE_EXHAUSTED without retry-after: the same on every backend,
+    so the client hears 413 (not "busy, retry") after one attempt, and no backend is held responsible."""
+    plane = unchecked
+    small = [V2Server(name, sessions, max_receive=64 << 10).start() for name in ("small-a", "small-b")]
+    try:
+        rows = [register(plane, server.url, name=server.name, models=["mlp"]) for server in small]
+        big = np.zeros((64, 512), dtype=np.float32)  # 128 KiB of raw contents
+        tensor = {"name": "input", "datatype": "FP32", "shape": list(big.shape), "data": big.ravel().tolist()}
+        response = plane.infer(orjson.dumps({"inputs": [tensor]}))
+        assert response.status_code == 413, response.text
+        error = response.json()["error"]
+        assert "RESOURCE_EXHAUSTED" in error and "larger than max" in error, error
+        assert f"backend '{response.headers['spillway-backend']}'" in error
+        assert (
+            response.headers["spillway-attempts"] == "1" and response.headers["spillway-reason"] == "payload_too_large"
+        )
+        assert "retry-after" not in response.headers
+        assert not any(server.seen for server in small)  # refused by grpc before the servicer
+        state = plane.gateway()
+        assert all(state[row["name"]]["errors"] == 0 and state[row["name"]]["busy"] == 0 for row in rows), state
+        assert plane.infer(mlp_json()).status_code == 200  # a request within the limit is served
+    finally:
+        for server in small:
+            server.stop()
 
 
 def test_the_clients_errors_pass_on_and_the_backends_errors_are_not_retried(
@@ -387,6 +422,8 @@ def test_readiness_is_asked_over_grpc_and_a_removed_backend_loses_its_channel(pl
     created = register(plane, one.url, name="checked", models=["mlp", "absent"])
     gateway = plane.app.state.gateway
     wait_for(lambda: plane.gateway()["checked"]["unhealthy_models"] == ["absent"])  # ModelReady said no
+    # The checks asked on the gateway's own channel (the one requests use, closed with the gateway).
+    assert gateway.grpc.held() == {created["id"]: one.url}
     one.reset(ready=False)
     wait_for(lambda: plane.gateway()["checked"]["unhealthy_models"] == ["absent", "mlp"])  # ServerReady said no
     wait_for(lambda: any("ServerReady answered not ready" in (e["data"].get("error") or "")
@@ -477,7 +514,17 @@ def test_an_answer_is_written_as_the_client_asked_and_a_broken_one_is_refused() 
     [
         (grpc.StatusCode.UNAVAILABLE, {"retry-after": "1"}, 503, None, True, True),
         (grpc.StatusCode.UNAVAILABLE, {}, 503, "connect", True, False),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, {}, 429, None, True, True),
+        (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            {"retry-after": "1", "spillway-reason": "queue_full"},
+            429,
+            None,
+            True,
+            True,
+        ),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, {"spillway-reason": "queue_full"}, 429, None, True, True),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, {}, 413, None, False, False),  # grpc's "larger than max"
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, {"spillway-outcome": "rejected"}, 413, None, False, False),
         (grpc.StatusCode.DEADLINE_EXCEEDED, {}, 504, "timeout", True, False),
         (grpc.StatusCode.INVALID_ARGUMENT, {}, 400, None, False, False),
         (grpc.StatusCode.NOT_FOUND, {}, 404, None, False, False),
