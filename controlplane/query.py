@@ -3,9 +3,11 @@ and one agent's recent telemetry summarised from them: request rates and outcome
 and compute times, batch sizes, queue depths and device gauges, and for generative models their OTel GenAI
 figures (time to first token and per output token, tokens per second, KV-cache use, preemptions, open streams).
 
-Attributes are read under their current names: rows stored before agents' attribute names were namespaced carry
-the old ones (`model`, `outcome`, ...), renamed here as the receiver renames them in what it stores now, and such a
-row's series is the one its renamed attributes hash to, so old and new rows of one series are one series.
+Metrics and attributes are read under their current names: rows stored before agents' attribute names were
+namespaced carry the old ones (`model`, `outcome`, ...), and rows stored before `spillway.kv.blocks.total` became
+`spillway.kv.blocks.limit` the old metric name; a selection by metric selects the old names too, renamed here as the
+receiver renames them in what it stores now, and such a row's series is the one its renamed metric and attributes
+hash to, so old and new rows of one series are one series.
 
 Histograms keep OTLP's explicit-bucket layout (bucket i holds (bounds[i-1], bounds[i]], the last one is +Inf).
 Percentiles are estimated like Prometheus' `histogram_quantile`: linear interpolation inside the bucket that holds
@@ -32,7 +34,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.db.models import Agent, MetricRollup, utcnow
 from controlplane.errors import NotFound, ValidationFailed
-from controlplane.ingest.attributes import current_names, series_key
+from controlplane.ingest.attributes import current_metric, current_names, series_key, with_legacy_metrics
 from spillway.contract.names import (
     ACTIVE_STREAMS,
     ATTR_GENAI_MODEL,
@@ -300,11 +302,11 @@ class Rollup:
         gauge = row.kind == "gauge"
         series = getattr(row, "series", "")
         stored = row.attributes if isinstance(row.attributes, dict) else {}
-        attributes = current_names(stored)
-        if attributes is not stored and series:  # stored before the rename: the series it is now
-            series = series_key(row.metric, attributes)
+        attributes, metric = current_names(stored), current_metric(row.metric)
+        if (attributes is not stored or metric != row.metric) and series:  # stored before a rename: its series now
+            series = series_key(metric, attributes)
         return cls(
-            getattr(row, "agent_id", ""), row.metric, row.kind, series, _raw_minute(row.minute),
+            getattr(row, "agent_id", ""), metric, row.kind, series, _raw_minute(row.minute),
             attributes, float(row.count or 0), float(row.total or 0.0),
             Histogram.of(row.bounds, row.buckets, row.count, row.total) if row.kind == "histogram" else None,
             _finite(row.last) if gauge else None, _finite(row.min) if gauge else None,
@@ -326,7 +328,8 @@ class RollupReader:
 
     A series' attributes never change (its key hashes them), so a reader decodes them once per series, from one of
     its rows, and remembers them: keep one reader to re-read the same series cheaply (as the SLO windows do). A series
-    stored under legacy attribute names is read under the current ones, as the series they hash to.
+    stored under a legacy metric name or legacy attribute names is read under the current ones, as the series they
+    hash to (and selecting a metric selects its legacy names too).
     """
 
     CHUNK = 500  # agents, or series, in one IN (...)
@@ -334,7 +337,7 @@ class RollupReader:
 
     def __init__(self) -> None:
         self._attributes: dict[str, dict[str, Any]] = {}
-        self._renamed: dict[str, str] = {}  # stored series -> the series of its renamed attributes (legacy ones only)
+        self._renamed: dict[str, str] = {}  # stored series -> the series of its renamed metric and attributes
 
     def read(self, session: Session, *, since: datetime, until: datetime | None = None,
              agents: Collection[str] | None = None, metrics: Collection[str] | None = None,
@@ -347,7 +350,7 @@ class RollupReader:
             where.append(MetricRollup.minute <= until)
         chosen: list[ColumnElement[bool]] = []
         if metrics is not None:
-            chosen.append(MetricRollup.metric.in_(metrics))
+            chosen.append(MetricRollup.metric.in_(with_legacy_metrics(metrics)))
         if kinds is not None:
             chosen.append(MetricRollup.kind.in_(kinds))
         if chosen and every_gauge:
@@ -383,9 +386,9 @@ class RollupReader:
                     if gauges and kind == "gauge":
                         last, low, high = _finite(row[at]), _finite(row[at + 1]), _finite(row[at + 2])
                     series: str = row[4]
-                    yield Rollup(row[1], row[2], kind, renamed.get(series, series) if renamed else series, minute,
-                                 known[series], float(row[6] or 0), float(row[7] or 0.0), histogram, last, low,
-                                 high)  # fmt: skip
+                    yield Rollup(row[1], current_metric(row[2]), kind,
+                                 renamed.get(series, series) if renamed else series, minute, known[series],
+                                 float(row[6] or 0), float(row[7] or 0.0), histogram, last, low, high)  # fmt: skip
 
     def _learn(self, connection: Connection, rows: Sequence[Any]) -> None:
         """Decode the attributes of the series among `rows` not seen before, each from one of its rows."""
@@ -396,8 +399,8 @@ class RollupReader:
                 decoded = _raw_json(attributes)
                 stored = decoded if isinstance(decoded, dict) else {}
                 current = self._attributes[series] = current_names(stored)
-                if current is not stored:
-                    self._renamed[series] = series_key(metric, current)
+                if current is not stored or current_metric(metric) != metric:
+                    self._renamed[series] = series_key(current_metric(metric), current)
 
 
 def read_rollups(session: Session, *, since: datetime, until: datetime | None = None,

@@ -101,7 +101,9 @@ class Generation(BaseModel):
     tokens_in_per_s: float = Field(description="prompt tokens per second (gen_ai.client.token.usage, input)")
     tokens_out_per_s: float = Field(description="generated tokens per second (gen_ai.client.token.usage, output)")
     kv_blocks_used: float | None = Field(description="KV-cache blocks held, the latest reading; null if never reported")
-    kv_blocks_total: float | None = Field(description="KV-cache blocks of the budget, the latest reading")
+    kv_blocks_total: float | None = Field(
+        description="KV-cache blocks of the budget (the spillway.kv.blocks.limit gauge), the latest reading"
+    )
     kv_cache_use: float | None = Field(description="used / total of the latest minute with both readings, 0..1")
     preemptions: float = Field(description="sequences preempted (recomputed) in the window")
     preemptions_per_min: float = Field(description="preemptions per minute over the window")

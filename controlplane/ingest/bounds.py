@@ -9,8 +9,13 @@ unit: an OTel SDK's default bounds (0, 5, 10, 25, ... 10000, meant for milliseco
     one (exact, no interpolation) and the point is stored on the expected bounds;
   - for the latency histograms only, coarser: a non-empty subset of the control plane's latency boundaries, as an
     agent whose own `latency_buckets_ms` lists fewer of them sends until its policy sets the control plane's. Stored
-    as sent: each bucket is still a range of the expected layout, readers merge layouts exactly on the boundaries
-    they share, and an SLO threshold between two of its bounds counts conservatively (whole buckets only).
+    as sent, and exact: each bucket is still a range of the expected layout; a stored row holds one layout (a
+    histogram's row key includes its bounds, `attributes.layout_key`, so the minute in which an agent switches
+    layouts gets a row per layout rather than buckets added across layouts); and readers merge layouts by moving
+    every bucket whole onto the boundaries all of them share. So percentiles and SLO counts over a window that mixes
+    points on the full bounds and on a subset are exactly those of every observation on the shared bounds (as
+    tests/controlplane/test_ingest_bounds.py counts by hand); an SLO threshold on a bound that only some layouts
+    have counts conservatively there (whole buckets only: never a slow request as good).
 Anything else (other values: the SDK's defaults, milliseconds for seconds, an agent's own latency buckets that are
 neither) is refused through OTLP's partial_success, with a message naming the metric, the bounds sent and those
 expected, and the SDK View that sends them. A histogram in seconds must also say unit `s` (or none). Histograms of

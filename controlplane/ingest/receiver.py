@@ -1,6 +1,6 @@
-"""OTLP metrics in, minute rollups out: decode, check the sender, rename legacy attributes (`attributes`), bring
-histograms onto the bounds the control plane reads them on (`bounds`), convert cumulative streams to deltas, and add
-each minute's deltas (and gauge samples) to the database.
+"""OTLP metrics in, minute rollups out: decode, check the sender, rename legacy metric and attribute names
+(`attributes`), bring histograms onto the bounds the control plane reads them on (`bounds`), convert cumulative
+streams to deltas, and add each minute's deltas (and gauge samples) to the database.
 
 Refusals of part of the data (unsupported metric types, malformed points, histograms on bounds that cannot be
 re-bucketed exactly, series beyond an agent's cardinality limit) are counted and reported back through OTLP's
@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.db.models import MetricRollup
 from controlplane.errors import Forbidden, UndecodableMetrics, UnsupportedMediaType
-from controlplane.ingest.attributes import current_names, series_key
+from controlplane.ingest.attributes import current_metric, current_names, layout_key, series_key
 from controlplane.ingest.bounds import Fit, Layouts
 from controlplane.ingest.deltas import DeltaTracker, Point
 from controlplane.ingest.store import add_rollups, mark_seen
@@ -107,6 +107,16 @@ class _Rollup:
     max: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Series:
+    """A point's series (its metric and attributes: what the cardinality limit counts), the `series` column of its
+    rows (a histogram's: with its layout, `layout_key`) and its attributes under the current names."""
+
+    series: str
+    row: str
+    attributes: dict[str, Any]
+
+
 @dataclass(frozen=True)
 class IngestResult:
     accepted: int
@@ -141,23 +151,25 @@ class Ingestor:
         # Runs begun before this process started may have been counted by its predecessor: a baseline each.
         self.tracker = DeltaTracker(horizon_ns=time.time_ns())
         self._known: dict[str, set[str]] = defaultdict(set)
-        # The series key and attributes (legacy names renamed) of each attribute list as sent: agents send the same
-        # few hundred again every export, so hashing them once saves most of the per-point work. Keyed by the
-        # protobuf encoding of each attribute, which determines the decoded attributes, so a hit is exactly what a
-        # miss computes.
-        self._series_cache: dict[tuple[str, tuple[bytes, ...]], tuple[str, dict[str, Any]]] = {}
+        # The series key, row key and attributes (legacy names renamed) of each attribute list (and histogram layout)
+        # as sent: agents send the same few hundred again every export, so hashing them once saves most of the
+        # per-point work. Keyed by the protobuf encoding of each attribute, which determines the decoded
+        # attributes, so a hit is exactly what a miss computes.
+        self._series_cache: dict[tuple[str, tuple[bytes, ...], tuple[float, ...] | None], _Series] = {}
         self._logged: set[tuple[str, str]] = set()  # (agent, refusal reason) logged once
         self._lock = threading.Lock()  # the tracker, the series sets, the write queue
         self._written = threading.Condition(self._lock)  # notified when a write ends
         self._queue: list[_Pending] = []  # folded, not yet being written
         self._writing = False
 
-    def _series(self, metric: str, pairs: Any) -> tuple[str, dict[str, Any]]:
-        key = (metric, tuple(kv.SerializeToString() for kv in pairs))
+    def _series(self, metric: str, pairs: Any, bounds: tuple[float, ...] | None) -> _Series:
+        """The series of a point (a histogram's on the bounds it is stored on: its rows are keyed by them too)."""
+        key = (metric, tuple(kv.SerializeToString() for kv in pairs), bounds)
         found = self._series_cache.get(key)
         if found is None:
             attributes = current_names(_attributes(pairs))
-            found = (series_key(metric, attributes), attributes)
+            series = series_key(metric, attributes)
+            found = _Series(series, series if bounds is None else layout_key(series, bounds), attributes)
             if len(self._series_cache) >= _SERIES_CACHE_SIZE:
                 self._series_cache.clear()
             self._series_cache[key] = found
@@ -184,6 +196,7 @@ class Ingestor:
                             continue
                         data = getattr(metric, kind)
                         cumulative = getattr(data, "aggregation_temporality", 0) == CUMULATIVE
+                        name = current_metric(metric.name)
                         for dp in data.data_points:
                             problem = _malformed(kind, dp)
                             if problem is not None:
@@ -192,19 +205,21 @@ class Ingestor:
                                 continue
                             fit = None
                             if kind == "histogram":
-                                fit = self.layouts.fit(metric.name, metric.unit, tuple(dp.explicit_bounds))
+                                fit = self.layouts.fit(name, metric.unit, tuple(dp.explicit_bounds))
                                 if fit.problem is not None:
                                     rejected += 1
                                     reasons.add(fit.problem)
                                     continue
-                            series, attributes = self._series(metric.name, dp.attributes)
+                            found = self._series(name, dp.attributes, None if fit is None else fit.bounds)
+                            series = found.series
                             if series not in known and len(known) >= self.max_series_per_agent:
                                 rejected += 1
                                 reasons.add(f"cardinality limit of {self.max_series_per_agent} series per agent")
                                 continue
                             known.add(series)
                             accepted += 1
-                            self._fold(rollups, agent_id, series, metric.name, kind, attributes, dp, cumulative, fit)
+                            self._fold(rollups, agent_id, found.row, name, kind, found.attributes, dp, cumulative,
+                                       fit)  # fmt: skip
             said = sorted(reasons)[:_REASONS_SAID]  # each refused layout is a reason: an export may bring many
             more = f"; and {len(reasons) - len(said)} more" if len(reasons) > len(said) else ""
             result = IngestResult(accepted, rejected, "; ".join(said) + more)
@@ -273,9 +288,7 @@ class Ingestor:
         if kind == "sum":
             roll.total += delta.value
             return
-        if roll.bounds != list(delta.bounds):
-            return  # a layout change inside one minute: keep the first layout's data for this minute
-        roll.count += delta.count
+        roll.count += delta.count  # (on the row's bounds: a histogram's row key includes its layout)
         roll.total += delta.total
         roll.buckets = (
             [a + b for a, b in zip(roll.buckets, delta.buckets, strict=True)] if roll.buckets else list(delta.buckets)

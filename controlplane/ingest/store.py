@@ -22,7 +22,8 @@ from controlplane.db.models import Agent, MetricRollup, utcnow
 
 def add_buckets(stored: list[Any], new: list[Any]) -> list[Any]:
     """Bucket counts of a minute plus an export's: element by element where the layouts agree; an empty
-    stored list takes the new one; otherwise (no new buckets, or another layout) the stored ones stay."""
+    stored list takes the new one; otherwise (no new buckets, or another layout: only in rows stored before a
+    histogram's row key included its bounds) the stored ones stay."""
     if new and len(stored) == len(new):
         return [a + b for a, b in zip(stored, new, strict=True)]
     if new and not stored:

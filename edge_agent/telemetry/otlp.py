@@ -15,7 +15,6 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry.sdk.metrics.export import (
     MetricExporter,
@@ -25,7 +24,7 @@ from opentelemetry.sdk.metrics.export import (
 )
 
 from edge_agent.telemetry import environment
-from edge_agent.telemetry.settings import OtlpDestination, TelemetryConfigError, TelemetrySettings
+from edge_agent.telemetry.settings import OtlpDestination, TelemetryConfigError, TelemetrySettings, redacted
 
 log = logging.getLogger("spillway.agent.telemetry")
 
@@ -132,20 +131,8 @@ def _only_these_headers(http: Any, destination: OtlpDestination, env: Mapping[st
         sent.pop(key, None)  # type: ignore[union-attr]
 
 
-def redacted(url: str) -> str:
-    """The URL without user info (a URL may carry a password), for log lines and errors."""
-    try:
-        parts = urlsplit(url)
-        if parts.username is None and parts.password is None:
-            return url
-        host = parts.hostname or ""
-        return urlunsplit(parts._replace(netloc=f"{host}:{parts.port}" if parts.port else host))
-    except ValueError:
-        return "<unparsable URL>"
-
-
 def describe(settings: TelemetrySettings) -> str:
-    """Where the metrics go, for the start-up log line (no headers, no tokens)."""
+    """Where the metrics go, for the start-up log line (no headers, no tokens, no user info, queries or fragments)."""
     places = []
     for destination in settings.destinations():
         places.append(f"{redacted(destination.endpoint)} ({destination.protocol})")

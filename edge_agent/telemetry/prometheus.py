@@ -37,10 +37,10 @@ class PrometheusExposition:
 
 class PulledPrometheusReader(PrometheusMetricReader):
     """The OTel Prometheus exporter fed from `source` rather than from a meter provider's storage of its own (which
-    would aggregate every measurement a second time), with Prometheus' conventions where this exporter's names miss
-    them: a gauge of unit `1` ends in `_ratio` (OTel's Prometheus compatibility spec; the exporter leaves the suffix
-    out, so the agent's names would differ from a collector's), and a gauge named `*.total` is exposed as `*.limit`
-    (Prometheus keeps `_total` for counters; promtool refuses it on a gauge)."""
+    would aggregate every measurement a second time), with Prometheus' convention where this exporter's names miss
+    it: a gauge of unit `1` ends in `_ratio` (OTel's Prometheus compatibility spec; the exporter leaves the suffix
+    out, so the agent's names would differ from a collector's). The instruments' names are the OTLP stream's as
+    they are (no gauge ends in `.total`, which Prometheus keeps for counters: the KV budget is `.limit`)."""
 
     def __init__(self, registry: CollectorRegistry, source: Callable[[], MetricsData | None]) -> None:
         super().__init__(registry=registry)
@@ -55,23 +55,20 @@ class PulledPrometheusReader(PrometheusMetricReader):
 
 
 def conventional(data: MetricsData) -> MetricsData:
-    """`data` with the gauges renamed as PulledPrometheusReader says (the same object when none needs it)."""
-    if not any(_renamed(m) is not m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics):
+    """`data` with the gauges' units as PulledPrometheusReader says (the same object when none needs it)."""
+    if not any(
+        _with_ratio_unit(m) is not m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    ):
         return data
     return replace(data, resource_metrics=[
-        replace(rm, scope_metrics=[replace(sm, metrics=[_renamed(m) for m in sm.metrics]) for sm in rm.scope_metrics])
+        replace(rm, scope_metrics=[
+            replace(sm, metrics=[_with_ratio_unit(m) for m in sm.metrics]) for sm in rm.scope_metrics
+        ])
         for rm in data.resource_metrics
     ])  # fmt: skip
 
 
-def _renamed(metric: Metric) -> Metric:
-    if not isinstance(metric.data, Gauge):
+def _with_ratio_unit(metric: Metric) -> Metric:
+    if not isinstance(metric.data, Gauge) or metric.unit != RATIO_UNIT:
         return metric
-    name, unit = metric.name, metric.unit
-    if name.endswith(".total"):
-        name = name[: -len("total")] + "limit"
-    if unit == RATIO_UNIT:
-        unit = "ratio"
-    if name == metric.name and unit == metric.unit:
-        return metric
-    return replace(metric, name=name, unit=unit)
+    return replace(metric, unit="ratio")

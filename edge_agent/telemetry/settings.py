@@ -4,6 +4,7 @@ policy's change builds new settings and a new pipeline)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 from spillway.contract.names import DEFAULT_LATENCY_BUCKETS_MS
 
@@ -21,6 +22,9 @@ class OtlpDestination:
     endpoint: str
     headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     protocol: str = "http/protobuf"
+
+    def __repr__(self) -> str:  # the endpoint as logged: a repr may end up in a log line or a traceback
+        return f"OtlpDestination(endpoint={redacted(self.endpoint)!r}, protocol={self.protocol!r})"
 
 
 @dataclass(frozen=True)
@@ -45,3 +49,17 @@ class TelemetrySettings:
         headers = (("authorization", f"Bearer {self.agent_token}"),) if self.agent_token else ()
         plane = OtlpDestination(self.control_plane.rstrip("/") + "/v1/metrics", headers)
         return (plane, *self.otlp_endpoints)
+
+
+def redacted(url: str) -> str:
+    """The URL as log lines and errors show it: scheme, host, port and path. User info (a password or a token), the
+    query and the fragment are left out: some collectors take their API key as `?api_key=...`."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port
+    except ValueError:
+        return "<unparsable URL>"
+    if ":" in host:  # IPv6: back in its brackets
+        host = f"[{host}]"
+    netloc = f"{host}:{port}" if port is not None else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))

@@ -34,7 +34,8 @@ GENAI_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0
 GENAI_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 GENAI_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 KV_BLOCKS_USED = "spillway.kv.blocks.used"  # gauge: model
-KV_BLOCKS_TOTAL = "spillway.kv.blocks.total"  # gauge: model
+# gauge: model; the budget's blocks. OTel's `.limit` (as hw.gpu.memory.limit): Prometheus keeps `_total` for counters.
+KV_BLOCKS_TOTAL = "spillway.kv.blocks.limit"
 PREEMPTIONS = "spillway.generation.preemptions"  # counter: model
 STEP_TOKENS = "spillway.generation.step.tokens"  # histogram, {token}: tokens one engine step computed; model
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # spillway.batch.size's bounds, rows
@@ -56,6 +57,8 @@ ATTR_POLICY_SOURCE = "spillway.policy.source"
 # The names agents before 0.2 sent; the control plane reads them as the new ones for one release (then drop this).
 LEGACY_ATTRIBUTES = {"model": ATTR_MODEL, "model.version": ATTR_VERSION, "priority": ATTR_PRIORITY,
                      "outcome": ATTR_OUTCOME, "policy.source": ATTR_POLICY_SOURCE}  # fmt: skip
+# Metric names agents before 0.2 sent; the control plane reads them as the new ones for one release (then drop this).
+LEGACY_METRICS = {"spillway.kv.blocks.total": KV_BLOCKS_TOTAL}
 ATTR_DEVICE_CLASS = "spillway.device.class"
 SERVICE_NAME = "spillway-edge-agent"
 
@@ -158,6 +161,7 @@ __all__ = [
     "KV_BLOCKS_TOTAL",
     "KV_BLOCKS_USED",
     "LEGACY_ATTRIBUTES",
+    "LEGACY_METRICS",
     "LOCAL",
     "OPENAI_FIELD",
     "OUTCOMES",

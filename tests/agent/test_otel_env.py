@@ -19,10 +19,12 @@ import pytest
 from edge_agent.config import AgentConfig
 from edge_agent.scheduling.stats import ModelStats
 from edge_agent.telemetry import AgentTelemetry, OtlpDestination, TelemetryConfigError, TelemetrySettings
+from edge_agent.telemetry.otlp import describe, redacted
 from tests.agent.conftest import RunningAgent, start_agent, stop_agent
 from tests.agent.test_telemetry import Capture, Received
 
 SECRET = "s3cr3t-key"  # a header value: a secret
+QUERY_KEY = "k3y-in-the-query"  # an API key in an endpoint's query string: a secret too
 
 
 def _config(tmp_path: Path, **settings: Any) -> AgentConfig:
@@ -124,6 +126,22 @@ def test_settings_never_show_a_header_or_the_agent_token(tmp_path: Path) -> None
     assert "http://c:4318/v1/metrics" in repr(settings)
 
 
+def test_endpoints_are_logged_without_user_info_query_or_fragment() -> None:
+    """Some collectors take their API key in the query (`?api_key=`), some URLs carry a password: what the start-up
+    line, the errors and a repr show is scheme, host, port and path only."""
+    assert redacted(f"https://ingest.example:4318/v1/metrics?api_key={SECRET}&region=eu#{SECRET}") == (
+        "https://ingest.example:4318/v1/metrics"
+    )
+    assert redacted(f"https://user:{SECRET}@collector/otlp/v1/metrics") == "https://collector/otlp/v1/metrics"
+    assert redacted(f"http://{SECRET}@[::1]:4317?token={SECRET}") == "http://[::1]:4317"
+    assert redacted("http://c:4318/v1/metrics") == "http://c:4318/v1/metrics"  # nothing to leave out
+    assert redacted("http://c:99999/") == "<unparsable URL>"
+    keyed = OtlpDestination(f"http://u:{SECRET}@c:4318/v1/metrics?api_key={SECRET}", (("x-api-key", SECRET),))
+    settings = TelemetrySettings(agent_id="a", control_plane=f"http://plane?k={SECRET}", otlp_endpoints=(keyed,))
+    assert describe(settings) == "http://plane (http/protobuf), http://c:4318/v1/metrics (http/protobuf)"
+    assert SECRET not in repr(keyed) and "http://c:4318/v1/metrics" in repr(keyed)
+
+
 def test_the_env_headers_go_to_the_env_endpoint_as_is_and_never_to_the_control_plane(
     tmp_path: Path, captures: list[Capture], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -203,8 +221,9 @@ def test_the_agent_config_wins_over_the_variables(demo_repo: Path, tmp_path: Pat
     yaml_plain, yaml_keyed, from_env = _capture(captures), _capture(captures), _capture(captures)
     env = {**_no_otel_env(), "OTEL_EXPORTER_OTLP_ENDPOINT": from_env.url,
            "OTEL_EXPORTER_OTLP_HEADERS": f"x-api-key={SECRET}", "OTEL_METRIC_EXPORT_INTERVAL": "3600000"}  # fmt: skip
-    endpoints = [yaml_plain.url + "/custom/metrics",
-                 {"endpoint": yaml_keyed.url + "/v1/metrics", "headers": {"Authorization": "Bearer yaml"}}]  # fmt: skip
+    endpoints = [yaml_plain.url + "/custom/metrics",  # a collector's API key in the query: never logged
+                 {"endpoint": yaml_keyed.url + f"/v1/metrics?api_key={QUERY_KEY}",
+                  "headers": {"Authorization": "Bearer yaml"}}]  # fmt: skip
     agent = start_agent(demo_repo, tmp_path, env=env, intra_op_threads=1, otlp_endpoints=endpoints,
                         export_interval_s=0.25)  # fmt: skip
     try:
@@ -219,6 +238,9 @@ def test_the_agent_config_wins_over_the_variables(demo_repo: Path, tmp_path: Pat
     keyed = yaml_keyed.requests[-1][0]
     assert keyed["authorization"] == "Bearer yaml" and "x-api-key" not in keyed
     assert from_env.requests == []  # otlp_endpoints set: the variable's endpoint is not used, even at shutdown
+    assert set(yaml_keyed.paths) == {f"/v1/metrics?api_key={QUERY_KEY}"}  # sent as configured
+    log = agent.log.read_text()
+    assert f"{yaml_keyed.url}/v1/metrics (http/protobuf)" in log and QUERY_KEY not in log and SECRET not in log
 
 
 def test_protocol_grpc_exports_to_a_grpc_collector(demo_repo: Path, tmp_path: Path, captures: list[Capture]) -> None:

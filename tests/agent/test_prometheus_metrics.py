@@ -95,6 +95,7 @@ def test_promtool_accepts_the_metrics(bare_agent: RunningAgent) -> None:
     assert _infer(bare_agent, 1).status_code == 200
     assert _infer(bare_agent, 2, rows=2).status_code == 200
     text = _scrape(bare_agent).content
+    assert b"\nspillway_kv_blocks_limit{" in text  # the KV budget gauge, a `_total` promtool would refuse on a gauge
     promtool = PROMTOOL if Path(PROMTOOL).exists() else str(shutil.which("promtool"))
     checked = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=60)
     assert checked.returncode == 0, (checked.stdout + checked.stderr).decode()

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import Gauge, InMemoryMetricReader
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -219,6 +219,13 @@ def test_the_prometheus_text_has_every_instrument_of_the_otlp_stream_with_the_sa
         "system.memory.usage": "system_memory_usage_bytes",
     }
     assert otlp - {"system.cpu.utilization"} == set(expected)  # (CPU utilisation needs two readings a second apart)
+    # One name on both sides: each family is its instrument's name plus a suffix, never renamed for /metrics (the KV
+    # budget gauge is `.limit` in the OTLP stream too: a gauge never ends in `.total`).
+    assert all(family.startswith(name.replace(".", "_")) for name, family in expected.items())
+    assert names.KV_BLOCKS_TOTAL == "spillway.kv.blocks.limit"
+    gauges = {m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+              if isinstance(m.data, Gauge)}  # fmt: skip
+    assert names.KV_BLOCKS_TOTAL in gauges and not {name for name in gauges if name.endswith(".total")}
     assert set(families) == {*expected.values(), "target_info"} | ({"system_cpu_utilization_ratio"} & set(families))
 
     model = (("spillway_model", "mlp"), ("spillway_model_version", "2"))

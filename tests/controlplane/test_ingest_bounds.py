@@ -294,3 +294,54 @@ def test_the_app_expects_its_configured_latency_buckets(sqlite_url: str) -> None
     app = create_app(Settings(database_url=sqlite_url, latency_buckets_ms=[75.0, 250.0], control_loop_interval_s=0))
     with TestClient(app):
         assert app.state.ingestor.layouts.expected[names.REQUEST_DURATION].bounds == (0.075, 0.25)
+
+
+def _pinned(message: ExportMetricsServiceRequest, at_ns: int) -> ExportMetricsServiceRequest:
+    """`message` with every histogram point taken at `at_ns` (both exports in one minute, whenever the test runs)."""
+    for resource in message.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.histogram.data_points:
+                    point.time_unix_nano = at_ns
+    return message
+
+
+def test_mixed_layouts_in_one_window_are_exact_on_the_bounds_they_share(plane: Plane) -> None:
+    """The agent exports on its own latency_buckets_ms (10 and 100 ms, a subset of the control plane's), then its
+    first policy rebuilds its pipeline on the control plane's 13 bounds: one series, both layouts in the same minute.
+    Percentiles and SLO counts over the window are those of every sample on the shared bounds, 10 and 100 ms, as
+    counted by hand; a threshold on a bound only one layout has counts conservatively (never a slow request good)."""
+    admin = {"Authorization": f"Bearer {plane.admin}"}
+    slos = {threshold: httpx.post(f"{plane.url}/api/v1/slos", headers=admin, json={
+        "name": f"within-{threshold}", "selector": {"labels": {"site": "berlin"}, "model": "mlp"},
+        "sli_kind": "latency", "threshold_ms": threshold, "objective": 90, "window": "1d"}).json()["id"]
+        for threshold in (5, 10, 100)}  # fmt: skip
+    before = [0.003, 0.008, 0.02, 0.05, 0.09, 0.15, 2.0]  # on (10, 100) ms
+    after = [0.0015, 0.004, 0.009, 0.012, 0.03, 0.07, 0.2, 0.6]  # on the 13 bounds
+    minute_ns = time.time_ns() // 60_000_000_000 * 60_000_000_000
+    for at_s, buckets_ms, samples in ((1, (10.0, 100.0), before), (2, names.DEFAULT_LATENCY_BUCKETS_MS, after)):
+        reader = InMemoryMetricReader()
+        settings = TelemetrySettings(agent_id=plane.agent_id, latency_buckets_ms=buckets_ms)
+        telemetry = AgentTelemetry(settings, readers=[reader], probes=False)
+        stats = ModelStats(listener=telemetry.recorder("mlp", 1))
+        for value in samples:
+            stats.request(1, "local", 0.0, 0.0, value)
+        data = reader.get_metrics_data()
+        assert data is not None
+        result = plane.app.state.ingestor.ingest(
+            plane.agent_id, _pinned(encode_metrics(data), minute_ns + at_s * 10**9)
+        )
+        assert result.rejected == 0
+        telemetry.shutdown()
+
+    # By hand, on (10 ms, 100 ms): 5 samples at or under 10 ms, 6 in (10, 100], 4 above; 15 in all.
+    latency = _get(plane, f"/agents/{plane.agent_id}/metrics")["traffic"][0]["latency_ms"]
+    assert latency["count"] == 15 and latency["mean"] == pytest.approx(sum(before + after) / 15 * 1000)
+    assert latency["p50"] == pytest.approx(10 + 90 * (7.5 - 5) / 6)  # rank 7.5: 2.5 into the 6 of (10, 100]
+    assert latency["p95"] == latency["p99"] == 100  # in the +Inf bucket: the highest shared bound
+    counted = {}
+    for threshold, slo in slos.items():
+        (row,) = httpx.get(f"{plane.url}/api/v1/slos/{slo}/agents", headers=admin).json()
+        counted[threshold] = (row["good"], row["total"])
+    assert counted[10] == (5, 15) and counted[100] == (11, 15)  # exact: shared bounds
+    assert counted[5] == (2, 15)  # 3 samples are under 5 ms; the subset layout cannot tell 3 ms from 8 ms

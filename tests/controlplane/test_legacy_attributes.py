@@ -1,6 +1,7 @@
 """For one release the control plane reads the agents' old attribute names (`model`, `model.version`, `priority`,
-`outcome`, `policy.source`) as the new, namespaced ones: renamed at ingest, and in rows stored before the upgrade, so
-an agent that still sends the old names and one that sends the new ones land in the same numbers."""
+`outcome`, `policy.source`) as the new, namespaced ones, and the old name of the KV budget gauge
+(`spillway.kv.blocks.total`) as `spillway.kv.blocks.limit`: renamed at ingest, and in rows stored before the upgrade,
+so an agent that still sends the old names and one that sends the new ones land in the same numbers."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from opentelemetry.sdk.resources import Resource
 
 from controlplane.db import make_engine, make_sessionmaker
 from controlplane.db.models import MetricRollup, utcnow
-from controlplane.ingest.attributes import current_names, series_key
+from controlplane.ingest.attributes import current_metric, current_names, series_key, with_legacy_metrics
 from controlplane.ingest.bounds import BATCH_SIZE_BUCKETS
-from controlplane.query import agent_metrics
+from controlplane.query import agent_metrics, read_rollups
 from controlplane.rules.observe import read_gauges
 from spillway.contract import names
 from tests.conftest import Plane
@@ -29,6 +30,8 @@ from tests.utils.builders import make_agent, make_slo
 from tests.utils.rollups import add_agent
 
 OLD = {new: old for old, new in names.LEGACY_ATTRIBUTES.items()}  # new name -> the name agents before 0.2 sent
+OLD_KV_LIMIT = "spillway.kv.blocks.total"  # the KV budget gauge's name before 0.2
+OLD_METRIC = {new: old for old, new in names.LEGACY_METRICS.items()}
 LATENCY_S = tuple(ms / 1000 for ms in names.DEFAULT_LATENCY_BUCKETS_MS)
 
 
@@ -45,9 +48,19 @@ def test_legacy_names_are_renamed_and_a_point_with_both_keeps_the_new_one() -> N
     assert current_names(current) is current  # nothing to rename: nothing copied
 
 
-def _export(url: str, agent_id: str, token: str, name: Any) -> None:
+def test_the_old_kv_budget_metric_name_is_read_as_the_new_one() -> None:
+    assert names.LEGACY_METRICS == {OLD_KV_LIMIT: names.KV_BLOCKS_TOTAL} and names.KV_BLOCKS_TOTAL.endswith(".limit")
+    assert current_metric(OLD_KV_LIMIT) == names.KV_BLOCKS_TOTAL
+    assert current_metric(names.KV_BLOCKS_USED) == names.KV_BLOCKS_USED
+    assert with_legacy_metrics([names.KV_BLOCKS_TOTAL, names.REQUESTS]) == [
+        names.KV_BLOCKS_TOTAL, names.REQUESTS, OLD_KV_LIMIT
+    ]  # fmt: skip
+
+
+def _export(url: str, agent_id: str, token: str, name: Any, metric: Any = lambda new_name: new_name) -> None:
     """The same minute of traffic through the real OTel SDK and OTLP/HTTP exporter, its attributes named by `name`
-    (the new names, or the old ones): requests by outcome, served latencies, batches, queue depths, a refused policy."""
+    and its metrics by `metric` (the new names, or the old ones): requests by outcome, served latencies, batches,
+    queue depths, a refused policy, a generative model's KV-cache gauges."""
     exporter = OTLPMetricExporter(endpoint=f"{url}/v1/metrics", headers={"Authorization": f"Bearer {token}"},
                                   timeout=10)  # fmt: skip
     views = [View(instrument_name=metric, aggregation=ExplicitBucketHistogramAggregation(LATENCY_S))
@@ -67,6 +80,9 @@ def _export(url: str, agent_id: str, token: str, name: Any) -> None:
                                       name(names.ATTR_PRIORITY): priority})  # fmt: skip
 
     meter.create_observable_gauge(names.QUEUE_DEPTH, callbacks=[depths], unit="{request}")
+    for gauge, blocks in ((names.KV_BLOCKS_USED, 16), (names.KV_BLOCKS_TOTAL, 64)):
+        meter.create_observable_gauge(metric(gauge), unit="{block}", callbacks=[
+            lambda _options, blocks=blocks: [Observation(blocks, {name(names.ATTR_MODEL): "tiny-lm"})]])  # fmt: skip
     for priority, outcome, n, seconds in ((1, "local", 40, 0.004), (1, "local", 10, 0.03), (3, "local", 5, 0.3),
                                           (3, "rejected", 7, 0.0), (2, "overflow", 3, 0.0)):  # fmt: skip
         attributes = {name(names.ATTR_MODEL): "mlp", name(names.ATTR_VERSION): "1",
@@ -102,7 +118,8 @@ def test_an_export_with_the_old_names_and_one_with_the_new_land_in_the_same_numb
         threshold_ms=None, objective=99, window="1d")).json()["id"]  # fmt: skip
     old = httpx.post(f"{plane.url}/api/v1/agents", json=make_agent(), headers=admin).json()
     _export(plane.url, plane.agent_id, plane.token, lambda new_name: new_name)
-    _export(plane.url, old["agent"]["id"], old["token"], lambda new_name: OLD[new_name])
+    _export(plane.url, old["agent"]["id"], old["token"], lambda new_name: OLD[new_name],
+            lambda new_name: OLD_METRIC.get(new_name, new_name))  # fmt: skip
     new_id, old_id = plane.agent_id, old["agent"]["id"]
 
     # Stored under the new names only.
@@ -110,6 +127,8 @@ def test_an_export_with_the_old_names_and_one_with_the_new_land_in_the_same_numb
               for row in plane.rollups(metric) for key in row.attributes}  # fmt: skip
     assert stored >= {names.ATTR_MODEL, names.ATTR_VERSION, names.ATTR_PRIORITY, names.ATTR_OUTCOME,
                       names.ATTR_POLICY_SOURCE} and not stored & set(names.LEGACY_ATTRIBUTES)  # fmt: skip
+    assert plane.rollups(OLD_KV_LIMIT) == []
+    assert sorted(row.agent_id for row in plane.rollups(names.KV_BLOCKS_TOTAL)) == sorted([new_id, old_id])
 
     summaries = [httpx.get(f"{plane.url}/api/v1/agents/{agent}/metrics", headers=admin).json()
                  for agent in (new_id, old_id)]  # fmt: skip
@@ -119,6 +138,9 @@ def test_an_export_with_the_old_names_and_one_with_the_new_land_in_the_same_numb
     assert traffic[1]["latency_ms"]["count"] == 50 and 2 < traffic[1]["latency_ms"]["p50"] <= 5
     assert traffic[3]["queue_depth"] == {"last": 9, "max": 9} and traffic[2]["outcomes"] == {"overflow": 3}
     assert summaries[1]["batches"][0]["batches"] == 4
+    (generation,) = summaries[1]["generation"]
+    assert (generation["model"], generation["kv_blocks_used"], generation["kv_blocks_total"]) == ("tiny-lm", 16, 64)
+    assert generation["kv_cache_use"] == 0.25
 
     for slo, good, total in ((latency, 40, 55), (availability, 58, 65)):
         per_agent = httpx.get(f"{plane.url}/api/v1/slos/{slo}/agents", headers=admin).json()
@@ -130,6 +152,8 @@ def test_an_export_with_the_old_names_and_one_with_the_new_land_in_the_same_numb
         gauges = read_gauges(session, utcnow())
     engine.dispose()
     assert gauges[new_id].queue_depth == gauges[old_id].queue_depth == {"mlp": 13}
+    assert gauges[new_id].kv_blocks_total == gauges[old_id].kv_blocks_total == {"tiny-lm": 64}
+    assert gauges[old_id].value("kv_cache_use_ratio", "tiny-lm") == 0.25
 
 
 def _row(agent: str, minute: Any, metric: str, attributes: dict[str, Any], **values: Any) -> MetricRollup:
@@ -166,3 +190,33 @@ def test_rows_stored_before_the_upgrade_are_read_under_the_new_names_as_the_same
     assert traffic["latency_ms"]["mean"] == pytest.approx(4.0)
     assert traffic["queue_depth"] == {"last": 5, "max": 5}  # not 8: one series, read twice in the upgrade minute
     assert gauges["edge"].queue_depth == {"mlp": 5}
+
+
+def test_kv_budget_rows_stored_under_the_old_metric_name_are_read_as_the_new_one_and_the_same_series(
+    factory: Any,
+) -> None:
+    """An agent that reported the KV budget only under the old name is read; one upgraded in this minute has a row
+    under each name (and under the old attribute names, then the new ones) of one series: read once, not added."""
+    now = utcnow().replace(second=30, microsecond=0)
+    minute = now.replace(second=0)
+    legacy, current = {"model": "tiny-lm"}, {names.ATTR_MODEL: "tiny-lm"}
+    with factory() as session, session.begin():
+        for agent in ("upgraded", "old"):
+            add_agent(session, agent, "berlin")
+        rows = (("upgraded", OLD_KV_LIMIT, legacy, 60.0), ("upgraded", names.KV_BLOCKS_TOTAL, current, 64.0),
+                ("upgraded", names.KV_BLOCKS_USED, current, 32.0), ("old", OLD_KV_LIMIT, legacy, 80.0),
+                ("old", names.KV_BLOCKS_USED, legacy, 20.0))  # fmt: skip
+        for agent, metric, attributes, blocks in rows:
+            session.add(_row(agent, minute, metric, attributes, kind="gauge", count=1, total=blocks, last=blocks,
+                             min=blocks, max=blocks))  # fmt: skip
+    with factory() as session:
+        summaries = {agent: agent_metrics(session, agent, 300, retention_s=86400, now=now)
+                     for agent in ("upgraded", "old")}  # fmt: skip
+        gauges = read_gauges(session, now)
+        (row,) = read_rollups(session, since=minute, agents=("old",), metrics=(names.KV_BLOCKS_TOTAL,))
+    assert (row.metric, row.series) == (names.KV_BLOCKS_TOTAL, series_key(names.KV_BLOCKS_TOTAL, current))
+    for agent, total, use in (("upgraded", 64, 0.5), ("old", 80, 0.25)):
+        (generation,) = summaries[agent]["generation"]
+        assert (generation["kv_blocks_total"], generation["kv_cache_use"]) == (total, use)  # not 124: one series
+        assert gauges[agent].kv_blocks_total == {"tiny-lm": total}
+        assert gauges[agent].value("kv_cache_use_ratio", "tiny-lm") == use

@@ -108,8 +108,8 @@ def test_every_query_names_a_metric_that_exists(tmp_path: Path) -> None:
             "spillway_http_requests_total", "spillway_agents"} <= known  # fmt: skip
     generative = {"gen_ai_server_time_to_first_token_seconds_bucket", "gen_ai_client_token_usage_sum",
                   "gen_ai_server_time_per_output_token_seconds_bucket", "spillway_kv_blocks_used",
-                  "spillway_kv_blocks_total",
-                  "spillway_generation_preemptions_total", "spillway_generation_streams_active"}  # fmt: skip
+                  "spillway_kv_blocks_limit", "spillway_generation_preemptions_total",
+                  "spillway_generation_streams_active"}  # fmt: skip
     assert generative <= known
     exprs = [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])]
     exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
