@@ -236,15 +236,21 @@ def agent_serve(
         agent = agent.model_copy(update={"grpc_port": None})
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per policy poll; failures log on their own
+    from edge_agent.serving.ports import PortUnavailable, check_ports
     from edge_agent.serving.server import build_registry, serve
 
+    try:  # before the models load (minutes of warm-up on a small device): a port it cannot serve is said at once
+        ports = check_ports(agent)
+    except PortUnavailable as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     try:
         registry = build_registry(agent)
     except (ModelConfigError, RunnerError, GpuMemoryError) as exc:
         typer.echo(f"error: cannot load the model repository: {exc}", err=True)
         raise typer.Exit(2) from None
     try:
-        serve(agent, registry=registry, log_level=log_level)
+        serve(agent, registry=registry, ports=ports, log_level=log_level)
     except ModelConfigError as exc:  # settings that do not fit the models (overflow defaults, async models)
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -17,6 +17,12 @@ Which versions stay loaded: those the model's configuration serves, plus the var
 of those, it replaces the default version in memory (the device was sized for one), and reverting loads the
 default again first.
 
+A V2 model loaded or unloaded through the repository extension (serving/repository_api.py) follows the active
+policy, under `registry.changing`: `plan_reload` says which versions the load takes (the variant in place of the
+default where the policy serves one the config does not list) and the policy's settings for the model as its folder
+holds it now (refused, PolicyRefused, when the document does not fit it), `reloaded` puts them in force in the step
+that installs the versions, and the next documents are checked against that model; `unloaded` forgets it.
+
 Generative models (decoders) serve one version at a time, as one `EnginePool` in the `engines` dict that the
 OpenAI API, the app and the telemetry share (the same dict object, changed in place):
 - a variant (or reverting from one) loads the other version's pool off the event loop (the load checks the memory
@@ -33,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -51,10 +57,12 @@ from edge_agent.policy.plan import (
     local_plan,
 )
 from edge_agent.runtime.repository import UnknownModelError, version_on_disk
-from spillway.contract.policy import PolicyDocument
+from spillway.contract.policy import Overflow, PolicyDocument
 from spillway.contract.spec import ModelVersion
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from edge_agent.generation.pool import EnginePool
     from edge_agent.serving.models import LoadedModel, ModelRegistry
     from edge_agent.telemetry.live import LiveTelemetry
@@ -72,6 +80,23 @@ class Refusal:
 
     def json(self) -> dict[str, Any]:
         return {"at": isoformat_utc(self.at), "message": self.message, "version": self.version, "source": self.source}
+
+
+@dataclass(frozen=True)
+class Reload:
+    """A V2 model (re)loaded through the repository extension, as the active policy serves it."""
+
+    served: ServedModel  # what the next documents are checked against: the model as its folder holds it now
+    plan: ModelPlan  # the active document's settings for it
+    versions: tuple[ModelVersion, ...]  # to load: the configured ones, the variant in place of the default if unlisted
+
+    @property
+    def name(self) -> str:
+        return self.served.config.name
+
+    @property
+    def variant(self) -> int | None:
+        return None if self.plan.variant is None else self.plan.variant.version
 
 
 class PolicyApplier:
@@ -117,6 +142,9 @@ class PolicyApplier:
         self._load_engine = load_engine
         self.retiring_engines: list[EnginePool] = []  # switched away from, finishing their running streams
         self.plan: Plan = local_plan(self.served, self.decoders)
+        # The agent's own overflow setting, for a model loaded after start (build_agent gives it to every model).
+        overflows = [m.overflow for m in self.served.values()] + [d.overflow for d in self.decoders.values()]
+        self.overflow: Overflow | None = overflows[0] if overflows else None
         self.etag: str | None = None
         self.applied_at: float | None = None
         self.refusals = 0
@@ -234,8 +262,41 @@ class PolicyApplier:
         shown = "a document" if version is None else f"policy version {version}"
         log.warning("refused %s from %s: %s (keeping the active policy)", shown, source.replace("_", " "), message)
 
-    def _target_versions(self, name: str, plan: ModelPlan) -> set[int]:
-        served = self.served[name]
+    # ---- models loaded and unloaded through the repository extension (under registry.changing) ---------------
+
+    def plan_reload(self, configured: Sequence[ModelVersion], default_version: int, repository: Path) -> Reload:
+        """The versions a (re)load of a V2 model takes and the active policy's settings for it, from the versions
+        its config serves now (`configured`, one model's). PolicyRefused when the active document does not fit it."""
+        config = configured[0].config
+        served = ServedModel(config, default_version, tuple(v.version for v in configured), repository, self.overflow)
+        document = self.plan.document
+        if document is None:
+            plan = ModelPlan(config.name, overflow=served.overflow)
+        else:
+            plan = build_plan(document, self.plan.source, {config.name: served}).models[config.name]
+        by_number = {v.version: v for v in configured}
+        versions = []
+        for number in sorted(self._target_versions(served, plan)):
+            version = by_number.get(number, plan.variant)  # (the only version it may lack is the variant)
+            assert version is not None and version.version == number
+            versions.append(version)
+        return Reload(served, plan, tuple(versions))
+
+    def reloaded(self, reload: Reload) -> None:
+        """On the event loop, in the step that installs the reloaded versions: the active policy's settings for the
+        model are in force, and the next documents are checked against the model as loaded now."""
+        self.served[reload.name] = reload.served
+        self.plan = replace(self.plan, models={**self.plan.models, reload.name: reload.plan})
+        self._serve_as_planned(reload.name, reload.plan)
+
+    def unloaded(self, name: str) -> None:
+        """A model left routing: documents are no longer checked against it (a load brings it back)."""
+        self.served.pop(name, None)
+        self.plan = replace(self.plan, models={n: p for n, p in self.plan.models.items() if n != name})
+
+    # ---- what a plan changes ---------------------------------------------------------------------------------
+
+    def _target_versions(self, served: ServedModel, plan: ModelPlan) -> set[int]:
         configured = set(served.configured_versions)
         if plan.variant is None or plan.variant.version in configured:
             return configured
@@ -247,7 +308,7 @@ class PolicyApplier:
         for name, model_plan in plan.models.items():
             if name not in self.served or name not in self.registry.names():  # generative, or unloaded: as is
                 continue
-            target = self._target_versions(name, model_plan)
+            target = self._target_versions(self.served[name], model_plan)
             loaded = set(self.registry.versions(name))
             for version in sorted(target - loaded):
                 if model_plan.variant is not None and model_plan.variant.version == version:
@@ -332,13 +393,8 @@ class PolicyApplier:
             if self.telemetry is not None:
                 self.telemetry.attach(model)
         for name, model_plan in plan.models.items():
-            if name not in self.served or name not in self.registry.names():
-                continue
-            self.registry.set_variant(name, None if model_plan.variant is None else model_plan.variant.version)
-            delay = model_plan.max_queue_delay_us
-            for model in self.registry.of(name):
-                model.worker.retune(max_queue_delay_s=None if delay is None else delay / 1e6,
-                                    preferred_batch_sizes=model_plan.preferred_batch_sizes)  # fmt: skip
+            if name in self.served and name in self.registry.names():
+                self._serve_as_planned(name, model_plan)
         for name, pool in (engines or {}).items():
             old = self.engines[name]
             if self.telemetry is not None:  # (it puts `pool` in its dict, the same one, under its collection lock)
@@ -358,6 +414,14 @@ class PolicyApplier:
         for name, version in unloads:
             retired = self.registry.retire(name, version)
             self._background(self._unload(retired))
+
+    def _serve_as_planned(self, name: str, plan: ModelPlan) -> None:
+        """Route a V2 model to the plan's variant (loaded already) and retune its batching."""
+        self.registry.set_variant(name, None if plan.variant is None else plan.variant.version)
+        delay = plan.max_queue_delay_us
+        for model in self.registry.of(name):
+            model.worker.retune(max_queue_delay_s=None if delay is None else delay / 1e6,
+                                preferred_batch_sizes=plan.preferred_batch_sizes)  # fmt: skip
 
     def _background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +29,8 @@ from spillway.contract.spec import (
     TensorSpec,
     VersionPolicy,
 )
+
+log = logging.getLogger("spillway.agent")
 
 CONFIG_FILENAMES = ("config.pbtxt", "config.yaml")
 
@@ -310,13 +313,42 @@ def instance_devices(message: Any | None, count: int) -> tuple[int | None, ...]:
     """The GPU each of the model's `count` instances is pinned to (None: the agent's `device_id`), as Triton places
     them: a group's instances go round-robin over its `gpus` (`count` on each). All None without a config message,
     or when the config no longer describes `count` instances (the file changed since it was loaded)."""
-    devices: list[int | None] = []
-    for group in [] if message is None else message.instance_group:
+    placements = _placements(message, count)
+    return tuple(device for _, device in placements) if placements else (None,) * count
+
+
+def pinning_field(message: Any | None, count: int, instance: int) -> str | None:
+    """The config field that pins instance number `instance` to its GPU (`instance_group[i].gpus`; None: unpinned)."""
+    placements = _placements(message, count)
+    if instance >= len(placements) or placements[instance][1] is None:
+        return None
+    return f"instance_group[{placements[instance][0]}].gpus"
+
+
+def _placements(message: Any | None, count: int) -> list[tuple[int, int | None]]:
+    """(group index, GPU id or None) of each instance, in Triton's order; [] unless the message places `count`."""
+    placements: list[tuple[int, int | None]] = []
+    for index, group in enumerate([] if message is None else message.instance_group):
         for _ in range(max(group.count, 1)):
-            devices += list(group.gpus) if group.gpus else [None]
-    if len(devices) != count:
-        return (None,) * count
-    return tuple(devices) if devices else (None,)
+            placements += [(index, device) for device in group.gpus] if group.gpus else [(index, None)]
+    return placements if len(placements) == count else []
+
+
+def placed_devices(message: Any | None, count: int, device_id: int) -> tuple[int, ...]:
+    """The GPU id each instance's session is created on: its `instance_group.gpus` placement, else `device_id`."""
+    return tuple(device_id if device is None else device for device in instance_devices(message, count))
+
+
+def check_instance_gpus(message: Any | None, device_count: int, source: Path) -> None:
+    """Refuse (ModelConfigError naming `instance_group[i].gpus`) a GPU id that this machine does not have, where the
+    model runs on a GPU provider and the number of GPUs is known (`gpu.device_count`)."""
+    for index, group in enumerate([] if message is None else message.instance_group):
+        absent = sorted({device for device in group.gpus if device >= device_count})
+        if absent:
+            present = f"ids 0..{device_count - 1}" if device_count else "none"
+            raise ModelConfigError(f"{source}: field 'instance_group[{index}].gpus': GPU(s) {absent} are not present "
+                                   f"(this machine has {device_count} GPU(s): {present}); list the GPUs it has, or "
+                                   "remove gpus to run on the agent's `device_id`")  # fmt: skip
 
 
 def read_config_message(config: ModelConfig) -> Any | None:
@@ -378,6 +410,12 @@ def config_hints(message: Any, name: str, providers: Sequence[str]) -> list[str]
             hints.append(f"{where} output[{output.name}].label_filename is not honoured: the agent does not serve "
                          "Triton's classification extension; the output is answered as a tensor")  # fmt: skip
     return hints
+
+
+def log_config_hints(name: str, message: Any | None, providers: Sequence[str]) -> None:
+    """At load: one warning line per config field the agent accepts without honouring it (`config_hints`)."""
+    for line in [] if message is None else config_hints(message, name, providers):
+        log.warning("%s", line)
 
 
 def _optimization_summary(optimization: Any) -> str:

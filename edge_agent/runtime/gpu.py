@@ -1,4 +1,5 @@
-"""Free GPU memory through NVML, when a GPU and nvidia-ml-py are present, to refuse a model that would not fit.
+"""Free GPU memory and the number of GPUs through NVML, when a GPU and nvidia-ml-py are present, to refuse a model
+that would not fit, or an instance pinned to a GPU that is not there.
 
 Refusing at load gives a clear error; loading anyway gives an out-of-memory error later, under traffic.
 """
@@ -6,6 +7,9 @@ Refusing at load gives a clear error; loading anyway gives an out-of-memory erro
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Callable
+from typing import Any
 
 from edge_agent.errors import AgentError
 
@@ -20,6 +24,22 @@ class GpuMemoryError(AgentError, RuntimeError):
 
 def free_gpu_memory(device_id: int = 0) -> int | None:
     """Free bytes on GPU `device_id`, or None when that cannot be known (no NVML, no GPU); never raises."""
+    return _ask_nvml(lambda nvml: int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(device_id)).free))
+
+
+def device_count() -> int | None:
+    """How many GPUs CUDA shows this process, so the ids a session's `device_id` may take (0..n-1): NVML's count,
+    cut to the length of CUDA_VISIBLE_DEVICES where that is set (NVML itself ignores it). None when it cannot be
+    known (no NVML, no driver); never raises."""
+    count = _ask_nvml(lambda nvml: int(nvml.nvmlDeviceGetCount()))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if count is None or visible is None:
+        return count
+    return min(count, len([entry for entry in visible.split(",") if entry.strip()]))
+
+
+def _ask_nvml(query: Callable[[Any], int]) -> int | None:
+    """`query(pynvml)` between NVML's init and shutdown; None where NVML cannot answer."""
     try:
         import pynvml  # nvidia-ml-py: optional, only on GPU devices
     except Exception:  # an ImportError, or a broken install
@@ -29,8 +49,7 @@ def free_gpu_memory(device_id: int = 0) -> int | None:
     except Exception:  # NVMLError: no driver or no GPU
         return None
     try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device_id)
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+        return query(pynvml)
     except Exception:  # NVMLError: no such device, or not supported (some Jetson boards)
         return None
     finally:

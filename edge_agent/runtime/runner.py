@@ -42,7 +42,8 @@ NUMPY_DTYPES: dict[str, Any] = {
 
 
 class RunnerError(AgentError, RuntimeError):
-    """A model version this runner cannot load (wrong platform, no usable provider)."""
+    """A model version this runner cannot load (wrong platform, no usable provider, a session onnxruntime cannot
+    create on the device asked for)."""
 
 
 def choose_providers(available: Iterable[str], requested: Sequence[str] | None = None) -> list[str]:
@@ -87,11 +88,16 @@ class OrtRunner:
         on_gpu = any(name in gpu.GPU_PROVIDERS for name in chosen)
         if on_gpu:
             self._check_gpu_memory(gpu_mem_limit, device_id)
-        self._session = ort.InferenceSession(
-            str(version.path),
-            sess_options=_session_options(ort, intra_op_threads, inter_op_threads, spin),
-            providers=[(name, provider_options(name, gpu_mem_limit, device_id)) for name in chosen],
-        )
+        try:
+            self._session = ort.InferenceSession(
+                str(version.path),
+                sess_options=_session_options(ort, intra_op_threads, inter_op_threads, spin),
+                providers=session_providers(chosen, gpu_mem_limit, device_id),
+            )
+        except Exception as exc:  # onnxruntime's own errors (a device that is not there, a graph it cannot run)
+            where = f"GPU {device_id} ({', '.join(chosen)})" if on_gpu else ", ".join(chosen)
+            raise RunnerError(f"{version.path}: onnxruntime cannot create a session on {where}: "
+                              f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
         self.output_names = tuple(output.name for output in self._session.get_outputs())
         self.input_names = tuple(value.name for value in self._session.get_inputs())
 
@@ -173,6 +179,14 @@ def _session_options(ort: Any, intra_op_threads: int, inter_op_threads: int, spi
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "1" if spin else "0")
     return options
+
+
+def session_providers(
+    chosen: Sequence[str], gpu_mem_limit: int | None, device_id: int
+) -> list[tuple[str, dict[str, str]]]:
+    """onnxruntime's `providers` argument for one session: each chosen provider with its options (`device_id`: the
+    GPU this instance runs on)."""
+    return [(name, provider_options(name, gpu_mem_limit, device_id)) for name in chosen]
 
 
 def provider_options(name: str, gpu_mem_limit: int | None, device_id: int) -> dict[str, str]:

@@ -25,15 +25,16 @@ from edge_agent.serving.models import ModelRegistry
 from edge_agent.serving.pipeline import JOBS_PREFIX, InferencePipeline, PolicyGate, reject
 from edge_agent.serving.pipeline import respond as _respond
 from edge_agent.serving.repository_api import (
+    LoadConflict,
+    LoadFailed,
     ModelControl,
+    NotInRepository,
     RepositoryError,
     check_load_body,
     check_unload_body,
-    completed_config,
-    config_json,
-    generative_config,
     parse_index_body,
 )
+from edge_agent.serving.triton_config import completed_config, config_json, generative_config
 from spillway.contract import names
 from spillway.contract.v2 import BodyTooLarge, ClientGone, encode_error, read_body
 
@@ -210,6 +211,22 @@ class InferenceApp:
             if rest == ["config"]:
                 await _respond_json(send, 200, self._config(name, version))
                 return
+            pool = None
+            if self.openai is not None and name not in self.registry.names():
+                pool = self.openai.engines.get(name)
+            if pool is not None and rest in ([], ["ready"]):  # a generative model: Triton's decoupled LLM shape
+                config = self._config(name, version)  # UnknownModelError for a version it does not serve
+                if rest == ["ready"]:  # an engine left: a broken one refuses; a draining pool has left the dict
+                    ready = self.ready and any(engine.broken is None for engine in pool.instances)
+                    await _respond_json(send, 200 if ready else 503, {"name": name, "ready": ready})
+                    return
+                optional = [("stream", "BOOL"), ("sampling_parameters", "BYTES"), ("exclude_input_in_output", "BOOL")]
+                inputs = [{"name": n, "datatype": t, "shape": [1]} for n, t in [("text_input", "BYTES"), *optional]]
+                await _respond_json(send, 200, {"name": name, "versions": [pool.version],
+                                                "platform": config.get("platform", ""), "inputs": inputs,
+                                                "outputs": [{"name": "text_output", "datatype": "BYTES",
+                                                             "shape": [1]}]})  # fmt: skip
+                return
             model = self.registry.get(name, version)
             if rest == []:
                 await _respond_json(send, 200, self._metadata(model.config.name, version))
@@ -320,7 +337,7 @@ class InferenceApp:
                 await self.control.unload(name)
                 await _respond_json(send, 200, {"name": name, "state": "UNAVAILABLE", "reason": "unloaded"})
         except RepositoryError as exc:
-            await _respond(send, exc.status, encode_error(str(exc)))
+            await _respond(send, _repository_status(exc), encode_error(str(exc)))
 
     async def _generate(self, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
         """Triton's generate extension, for the generative models (openai_api.py)."""
@@ -367,6 +384,17 @@ def allowed_methods(path: str) -> tuple[str, ...] | None:
         if rest in (["infer"], ["generate"], ["generate_stream"]):
             return _POST
     return None
+
+
+def _repository_status(exc: RepositoryError) -> int:
+    """The HTTP status of a refused repository request (the tree in repository_api.py's docstring)."""
+    if isinstance(exc, NotInRepository):
+        return 404
+    if isinstance(exc, LoadConflict):  # the memory free now, or the active policy: it may load later
+        return 409
+    if isinstance(exc, LoadFailed):
+        return 500
+    return 400
 
 
 def _model_action(path: str) -> tuple[str, str | None, list[str]]:

@@ -16,6 +16,10 @@ remaining is the `spillway-timeout-us` header), bad-input rules and outcomes are
                                  extension (`generate_stream`: one response per event, the last one with the
                                  parameter `triton_final_response: true`; `generate` when its `stream` input is false)
 
+A request the codec cannot write as the app's body (typed contents that do not fit their shape...) is still the
+app's to refuse: it is sent on with an empty body, which the app refuses after the token and the model as any bad
+request (400 `invalid_request`, counted on the model), and the answer carries the codec's words.
+
 An HTTP error is the RPC's status (400 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 404 NOT_FOUND,
 405 UNIMPLEMENTED, 409 FAILED_PRECONDITION, 413 INVALID_ARGUMENT, 429 and 507 RESOURCE_EXHAUSTED, 500 INTERNAL, 503
 UNAVAILABLE, 504 DEADLINE_EXCEEDED) with the error's text as its message; on a stream it is that request's
@@ -24,6 +28,17 @@ UNAVAILABLE, 504 DEADLINE_EXCEEDED) with the error's text as its message; on a s
 answer also says `spillway_outcome` in its parameters, as the HTTP body does. A request the async queue accepted (HTTP
 202) is a ModelInferResponse without outputs whose parameters say `spillway_outcome: queued_async`,
 `spillway_job_id` and `spillway_job_location` (its answer: `GET /spillway/v1/jobs/{id}` on the HTTP port).
+
+A ModelStreamInfer holds at most `STREAM_IN_FLIGHT` requests in flight: the stream reads no more until one has had
+its last response sent (HTTP/2 flow control then holds the client back). The server takes at most
+`MAX_CONCURRENT_RPCS` RPCs at once (each holds its request); one more is refused RESOURCE_EXHAUSTED by gRPC itself,
+without an outcome, as a connection the kernel's backlog refuses is for HTTP. Messages up to the agent's
+`max_body_bytes` plus `PROTOBUF_OVERHEAD_BYTES` are received, so a request over the limit normally meets the app's own
+refusal (413, counted); a bigger one is refused by gRPC (RESOURCE_EXHAUSTED).
+
+When the agent drains, each request a stream has read is answered (one in flight as usual; one read from now on with
+the `error_message` "the agent is shutting down"); the stream ends once nothing is in flight: OK when the client had
+closed its side, else UNAVAILABLE, since the client may have sent requests the agent will not read.
 
 The shared memory, trace and log RPCs answer UNIMPLEMENTED. Needs grpcio (`pip install 'spillway[grpc]'`); this
 module is imported only when gRPC serves.
@@ -34,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -43,11 +57,13 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from edge_agent.serving.app import InferenceApp
+from edge_agent.serving.grpc_generate import event_error, generate_body, generated, sse_events
+from edge_agent.serving.ports import PortBusy, check_free
 from spillway.contract import names
 from spillway.contract.grpc_codec import infer_request_to_v2, parameters_to_dict, set_parameters, v2_response_to_infer
-from spillway.contract.v2 import TensorError, decode_request
+from spillway.contract.v2 import TensorError
 
-__all__ = ["GrpcEndpoint", "PortBusy"]
+__all__ = ["MAX_CONCURRENT_RPCS", "PROTOBUF_OVERHEAD_BYTES", "STREAM_IN_FLIGHT", "GrpcEndpoint"]
 
 log = logging.getLogger("spillway.agent")
 
@@ -69,34 +85,32 @@ _STATUS_CODES = {
 _TRAILING = (names.H_OUTCOME, names.H_REASON, names.H_RETRY_AFTER, names.H_VARIANT, names.H_BACKEND, names.H_JOB_ID)
 # Request metadata passed to the app as headers (the deadline is the RPC's own, below).
 _FORWARDED = (b"authorization", b"spillway-priority", names.H_TIMEOUT_US.encode())
-# Request parameters of Triton's own that mean nothing to the generate extension.
-_TRITON_ONLY = frozenset({"sequence_id", "sequence_start", "sequence_end", "headers", "binary_data_output"})
-# Inputs of Triton's LLM backends (vLLM, TensorRT-LLM) under the generate extension's names.
-_GENERATE_ALIASES = {"random_seed": "seed", "stop_words": "stop"}
-_GENERATE_DROPPED = frozenset({"exclude_input_in_output", "stream"})
+STREAM_IN_FLIGHT = 64  # requests of one ModelStreamInfer being answered at once
+MAX_CONCURRENT_RPCS = 4096  # as many as the scheduler queues by default (max_queued_requests)
+PROTOBUF_OVERHEAD_BYTES = 64 << 10  # a request's protobuf framing beyond its V2 body, received before the app's 413
+SHUTTING_DOWN = "the agent is shutting down"
 _SEND_UNLIMITED = (1 << 31) - 1
 _SHM = "the system shared memory extension: send tensors in the request (raw_input_contents or contents)"
 _CUDA_SHM = "the CUDA shared memory extension: send tensors in the request (raw_input_contents or contents)"
-_WAKE = object()  # on a stream's queue: a request was answered, the reading ended, or the agent drains
-_RUNNING: set[asyncio.Task[None]] = set()  # app calls outliving their RPC (answered to nobody, as HTTP's would be)
-
-
-class PortBusy(OSError):
-    """The gRPC port cannot be bound (another process holds it)."""
-
+# On a stream's queue, beside its responses: a request has had its last response (`_DONE`); the reading ended or
+# the agent drains (`_WAKE`).
+_DONE = object()
+_WAKE = object()
 
 # ---- one HTTP request to the app, in-process -------------------------------------------------------------------------
 
 
 class _Exchange:
     """One request to the ASGI app: its answer's messages arrive on `messages`; `leave()` tells the app the client is
-    gone (its `receive` says `http.disconnect`), as when an HTTP client disconnects. The app's task is never
-    cancelled from here: it finishes and records its outcome whatever becomes of the RPC."""
+    gone (its `receive` says `http.disconnect`), as when an HTTP client disconnects. The app's task is not cancelled
+    when its RPC ends: it finishes and records its outcome (only a stopping endpoint cancels what is left)."""
 
     _END: dict[str, Any] = {"type": "spillway.end"}
 
-    def __init__(self, app: InferenceApp, method: str, path: str, headers: list[tuple[bytes, bytes]],
-                 body: bytes, peer: str) -> None:  # fmt: skip
+    def __init__(self, app: InferenceApp, running: set[asyncio.Task[None]], method: str, path: str,
+                 headers: list[tuple[bytes, bytes]], body: bytes, peer: str) -> None:  # fmt: skip
+        """`running`: the endpoint's app calls, which it ends when it stops (a call outliving its RPC is answered to
+        nobody, as an HTTP request whose client left)."""
         self.messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.gone = asyncio.Event()
         self.body = body
@@ -108,8 +122,8 @@ class _Exchange:
             "client": _client(peer), "server": None,
         }  # fmt: skip
         task = asyncio.ensure_future(self._run(app, scope))
-        _RUNNING.add(task)
-        task.add_done_callback(_RUNNING.discard)
+        running.add(task)
+        task.add_done_callback(running.discard)
 
     async def _run(self, app: InferenceApp, scope: dict[str, Any]) -> None:
         try:
@@ -210,11 +224,63 @@ def _model_path(name: str, version: str, *rest: str) -> str:
     return "/".join([path, *rest])
 
 
+class _Stream:
+    """One ModelStreamInfer: its responses in the order they go out, and its requests in flight, at most `limit`
+    (the reader waits for room before it takes on another; a request leaves once its last response is sent)."""
+
+    def __init__(self, limit: int) -> None:
+        self.responses: asyncio.Queue[Any] = asyncio.Queue()
+        self.limit = limit
+        self.in_flight = 0
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.room = asyncio.Event()
+        self.reading = True  # the client may still send
+        self.closing = False  # the agent drains
+        self.waiting: Any = None  # a request read, waiting for room
+
+    async def admit(self, request: Any) -> bool:
+        """Wait for room for `request` and count it in flight; False when the agent drains (it is answered so)."""
+        self.waiting = request
+        while self.in_flight >= self.limit and not self.closing:
+            self.room.clear()
+            await self.room.wait()
+        answered_by_close = self.waiting is not request
+        self.waiting = None
+        if self.closing:
+            if not answered_by_close:
+                self.responses.put_nowait(_refusal(request, SHUTTING_DOWN))
+            return False
+        self.in_flight += 1
+        return True
+
+    def answered(self) -> None:
+        """A request's last response has been sent: room for another."""
+        self.in_flight -= 1
+        self.room.set()
+
+    def close(self) -> None:
+        """The agent drains: what is in flight goes on; a request waiting for room, and each read from now on, is
+        answered "the agent is shutting down"."""
+        self.closing = True
+        if self.waiting is not None:
+            self.responses.put_nowait(_refusal(self.waiting, SHUTTING_DOWN))
+            self.waiting = None
+        self.room.set()
+        self.responses.put_nowait(_WAKE)
+
+    @property
+    def over(self) -> bool:
+        """Nothing in flight, and nothing more will be taken on: the client closed its side, or the agent drains."""
+        return self.in_flight == 0 and (not self.reading or self.closing)
+
+
 class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, app: InferenceApp) -> None:
+    def __init__(self, app: InferenceApp, *, stream_limit: int = STREAM_IN_FLIGHT) -> None:
         self.app = app
+        self.stream_limit = stream_limit
         self.closing = False
-        self.streams: set[asyncio.Queue[Any]] = set()  # each open ModelStreamInfer's responses
+        self.streams: set[_Stream] = set()  # each open ModelStreamInfer
+        self.running: set[asyncio.Task[None]] = set()  # the app calls under way
 
     # ---- calling the app ----
 
@@ -238,7 +304,8 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def _exchange(self, context: Any, method: str, path: str, body: bytes = b"",
                   headers: list[tuple[bytes, bytes]] | None = None) -> _Exchange:  # fmt: skip
-        return _Exchange(self.app, method, path, self._headers(context, headers), body, context.peer() or "")
+        return _Exchange(self.app, self.running, method, path, self._headers(context, headers), body,
+                         context.peer() or "")  # fmt: skip
 
     async def _call(self, context: Any, method: str, path: str, body: bytes = b"",
                     headers: list[tuple[bytes, bytes]] | None = None) -> _Answer:  # fmt: skip
@@ -318,10 +385,7 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         if self._generative(request.model_name):  # decoupled, in Triton's words: ModelInfer cannot answer it
             message = f"model {request.model_name!r} is generative: send it on ModelStreamInfer, as Triton's clients do"
             return await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-        try:
-            answer = await self._infer(request, context)
-        except TensorError as exc:  # what the messages cannot say in V2 (grpc_codec.py); answered, never counted
-            return await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), trailing_metadata=_INVALID)
+        answer = await self._infer(request, context)
         context.set_trailing_metadata(answer.trailing())
         if answer.status not in (200, 202):
             await _abort(context, answer)
@@ -332,113 +396,146 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the agent log")
 
     async def _infer(self, request: Any, context: Any) -> _Answer:
-        body, header_length = infer_request_to_v2(request)
+        path = _model_path(request.model_name, request.model_version, "infer")
+        try:
+            body, header_length = infer_request_to_v2(request)
+        except TensorError as exc:  # what the messages cannot say in V2 (grpc_codec.py)
+            return await self._refused_by_app(context, path, str(exc))
         headers = [(b"content-type", b"application/octet-stream"),
                    (names.H_HEADER_LENGTH.encode(), str(header_length).encode())]  # fmt: skip
-        path = _model_path(request.model_name, request.model_version, "infer")
         return await self._call(context, "POST", path, body, headers)
 
+    async def _refused_by_app(self, context: Any, path: str, message: str) -> _Answer:
+        """A request the codec refused, answered by the app as it answers any bad request: sent on with an empty
+        body, which it refuses after checking the token and the model (400 `invalid_request`, counted on the model,
+        as over HTTP); the answer says the codec's `message` rather than the decoder's words on the empty body."""
+        answer = await self._call(context, "POST", path, b"", [(b"content-type", b"application/json")])
+        if answer.status != 400:  # refused before the body was read (401, 404...): that refusal stands
+            return answer
+        return _Answer(400, answer.headers, json.dumps({"error": message}).encode())
+
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
-        """Each request is answered as it comes, concurrently with the others on the stream; each response carries
-        its request's id. Once the agent drains, the stream ends as soon as it has nothing in flight."""
-        responses: asyncio.Queue[Any] = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
-        reading = True
+        """Each request is answered as it comes, concurrently with the others on the stream (at most
+        `stream_limit` at once); each response carries its request's id. See the module docstring for the drain."""
+        stream = _Stream(self.stream_limit)
 
         def finished(task: asyncio.Task[None]) -> None:
-            running.discard(task)
-            responses.put_nowait(_WAKE)  # after the task's own responses: it put them before it ended
+            stream.tasks.discard(task)
+            stream.responses.put_nowait(_DONE)  # after the task's own responses: it put them before it ended
 
         async def read() -> None:
-            nonlocal reading
             try:
                 async for request in request_iterator:
-                    task = asyncio.ensure_future(self._stream_one(request, context, responses.put_nowait))
-                    running.add(task)
-                    task.add_done_callback(finished)
+                    if await stream.admit(request):
+                        task = asyncio.ensure_future(self._stream_one(request, context, stream.responses.put_nowait))
+                        stream.tasks.add(task)
+                        task.add_done_callback(finished)
             except Exception as exc:  # the client's side of the stream broke: the RPC ends with it
                 log.debug("a gRPC stream's requests ended: %r", exc)
             finally:
-                reading = False
-                responses.put_nowait(_WAKE)
+                stream.reading = False
+                stream.responses.put_nowait(_WAKE)
 
         reader = asyncio.ensure_future(read())
-        self.streams.add(responses)
+        self.streams.add(stream)
+        if self.closing:
+            stream.close()
         try:
             while True:
-                item = await responses.get()
-                if item is not _WAKE:
+                item = await stream.responses.get()
+                if item is _DONE:
+                    stream.answered()
+                elif item is not _WAKE:
                     yield item
-                elif not running and (not reading or self.closing):
-                    return
-        finally:
-            self.streams.discard(responses)
+                    continue
+                if stream.over:
+                    break
+            client_open = stream.reading
             reader.cancel()
-            for task in list(running):  # the client left: what it asked for is cancelled, as HTTP's would be
+            await asyncio.wait([reader])
+            while not stream.responses.empty():  # what the reader answered as it stopped
+                item = stream.responses.get_nowait()
+                if item is not _DONE and item is not _WAKE:
+                    yield item
+            if client_open:  # the agent drains: what the client sends from now on would never be read
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"{SHUTTING_DOWN}: this stream takes no more requests")  # fmt: skip
+        finally:
+            self.streams.discard(stream)
+            reader.cancel()
+            for task in list(stream.tasks):  # the client left: what it asked for is cancelled, as HTTP's would be
                 task.cancel()
 
     def close_streams(self) -> None:
         """The agent drains: each stream ends once what it has in flight is answered."""
         self.closing = True
-        for responses in self.streams:
-            responses.put_nowait(_WAKE)
+        for stream in self.streams:
+            stream.close()
+
+    async def settle(self, timeout_s: float = 1.0) -> None:
+        """After the server stopped: the app calls still under way (their RPCs are over, so they answer nobody) are
+        cancelled, and awaited for up to `timeout_s` (a cancelled call ends at its next await)."""
+        running = list(self.running)
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running, timeout=timeout_s)
 
     async def _stream_one(self, request: Any, context: Any, send: Callable[[Any], None]) -> None:
         """Answer one request of a stream: its responses, or one `error_message` (with the request's id in its
         `infer_response`, as Triton says it); never raises."""
-
-        def put(response: Any) -> None:
-            if response.error_message:
-                infer = response.infer_response
-                infer.model_name, infer.model_version, infer.id = request.model_name, request.model_version, request.id
-            send(response)
-
         try:
             if self._generative(request.model_name):
-                await self._generate(request, context, put)
+                await self._generate(request, context, send)
                 return
             answer = await self._infer(request, context)
             if answer.status not in (200, 202):
-                put(_stream_error(answer))
+                send(_stream_error(request, answer))
                 return
             response = service_pb2.ModelStreamInferResponse()
-            response.infer_response.CopyFrom(_infer_response(request, answer))
-            response.infer_response.parameters["triton_final_response"].bool_param = True
-            put(response)
-        except TensorError as exc:
-            put(service_pb2.ModelStreamInferResponse(error_message=str(exc)))
+            infer = response.infer_response
+            infer.CopyFrom(_infer_response(request, answer))
+            infer.id = infer.id or request.id  # on a stream, the id is how the client tells its answers apart
+            infer.parameters["triton_final_response"].bool_param = True
+            send(response)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("a gRPC stream request for %s failed", request.model_name)
-            put(service_pb2.ModelStreamInferResponse(error_message="internal error; see the agent log"))
+            send(_refusal(request, "internal error; see the agent log"))
 
-    async def _generate(self, request: Any, context: Any, put: Callable[[Any], None]) -> None:
-        """Triton's decoupled generate stream: the generate extension's events, each as one response."""
-        body, stream = _generate_body(request)
+    async def _generate(self, request: Any, context: Any, send: Callable[[Any], None]) -> None:
+        """Triton's decoupled generate stream: the generate extension's events, each as one response
+        (grpc_generate.py)."""
+        try:
+            body, stream = generate_body(request)
+        except TensorError as exc:
+            path = _model_path(request.model_name, request.model_version, "generate")
+            send(_stream_error(request, await self._refused_by_app(context, path, str(exc))))
+            return
         path = _model_path(request.model_name, request.model_version, "generate_stream" if stream else "generate")
         exchange = self._exchange(context, "POST", path, json.dumps(body).encode(),
                                   [(b"content-type", b"application/json")])  # fmt: skip
         try:
             status, headers = await exchange.head()
             if status != 200:
-                put(_stream_error(_Answer(status, headers, await exchange.body_whole())))
+                send(_stream_error(request, _Answer(status, headers, await exchange.body_whole())))
                 return
             outcome = headers.get(names.H_OUTCOME)
             final = False
             if not headers.get("content-type", "").startswith("text/event-stream"):
                 event = json.loads(await exchange.body_whole())
-                put(_generated(request, event, outcome, last=True))
+                send(generated(request, event, outcome, last=True))
                 return
-            async for event in _events(exchange.chunks()):
-                failed = _failed(event)
+            async for event in sse_events(exchange.chunks()):
+                failed = event_error(event)
                 if failed is not None:
-                    put(service_pb2.ModelStreamInferResponse(error_message=failed))
+                    send(_refusal(request, failed))
                     return
                 final = event.get("finish_reason") is not None
-                put(_generated(request, event, outcome, last=final))
+                send(generated(request, event, outcome, last=final))
             if not final:  # a stream that ended without its last event: an empty final response says so
-                put(_generated(request, {}, outcome, last=True))
+                send(generated(request, {}, outcome, last=True))
         finally:
             exchange.leave()
 
@@ -452,9 +549,6 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     CudaSharedMemoryUnregister = _unimplemented(_CUDA_SHM)
     TraceSetting = _unimplemented("Triton's trace extension")
     LogSettings = _unimplemented("Triton's log settings: the agent logs as its `--log-level` says")
-
-
-_INVALID = ((names.H_OUTCOME, names.REJECTED), (names.H_REASON, "invalid_request"))
 
 
 async def _abort(context: Any, answer: _Answer) -> None:
@@ -487,98 +581,18 @@ def _infer_response(request: Any, answer: _Answer) -> Any:
     return v2_response_to_infer(answer.body, int(length) if length and length.isdigit() else None)
 
 
-def _stream_error(answer: _Answer) -> Any:
+def _stream_error(request: Any, answer: _Answer) -> Any:
     """An HTTP refusal as a stream's `error_message`: the error's text, then why and when to come back."""
     said = [f"{key} {answer.headers[key]}" for key in (names.H_OUTCOME, names.H_REASON, names.H_RETRY_AFTER)
             if key in answer.headers]  # fmt: skip
-    message = answer.error() + (f" ({'; '.join(said)})" if said else "")
-    return service_pb2.ModelStreamInferResponse(error_message=message)
+    return _refusal(request, answer.error() + (f" ({'; '.join(said)})" if said else ""))
 
 
-# ---- the generate extension over a stream ----------------------------------------------------------------------------
-
-
-def _generate_body(request: Any) -> tuple[dict[str, Any], bool]:
-    """A ModelInferRequest for a generative model as the generate extension's body (`text_input` and `parameters`),
-    and whether it streams (its `stream` input or parameter; true unless set false). The other inputs (one element
-    each) and the request parameters become parameters: `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`
-    (`random_seed`), `stop` (`stop_words`), `ignore_eos`, `priority`, `timeout`...; `sampling_parameters` (vLLM's
-    backend: a JSON object) is read as more of them."""
-    payload, header_length = infer_request_to_v2(request)
-    decoded = decode_request(payload, header_length)
-    parameters = {k: v for k, v in decoded.parameters.items() if k not in _TRITON_ONLY and not k.startswith("triton_")}
-    text: Any = None
-    stream = parameters.pop("stream", True)
-    for tensor in decoded.inputs:
-        values = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in tensor.array.ravel().tolist()]
-        value: Any = values[0] if len(values) == 1 else values
-        if tensor.name == "text_input":
-            text = value
-        elif tensor.name == "stream":
-            stream = value
-        elif tensor.name == "sampling_parameters":
-            try:
-                more = json.loads(value) if isinstance(value, str) else None
-            except ValueError:
-                more = None
-            if not isinstance(more, dict):
-                raise TensorError("input 'sampling_parameters': must be one BYTES element holding a JSON object")
-            parameters.update(more)
-        elif tensor.name not in _GENERATE_DROPPED and not tensor.name.startswith("return_"):
-            parameters[_GENERATE_ALIASES.get(tensor.name, tensor.name)] = value
-    if not isinstance(text, str):
-        raise TensorError("input 'text_input': a generative model needs one BYTES element with the prompt")
-    return {"text_input": text, "parameters": parameters}, stream is not False
-
-
-async def _events(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
-    """Server-sent events (`data: {json}` blocks) as JSON objects."""
-    buffer = b""
-    async for chunk in chunks:
-        buffer += chunk
-        while b"\n\n" in buffer:
-            block, buffer = buffer.split(b"\n\n", 1)
-            for line in block.split(b"\n"):
-                if line.startswith(b"data:"):
-                    data = line[5:].strip()
-                    if data and data != b"[DONE]":
-                        event = json.loads(data)
-                        if isinstance(event, dict):
-                            yield event
-
-
-def _failed(event: dict[str, Any]) -> str | None:
-    """The error an event reports: an error event, or a generation that ended by failing."""
-    if "error" in event:
-        error = event["error"]
-        return str(error.get("message") if isinstance(error, dict) else error)
-    if event.get("finish_reason") == "error":
-        return "the model run failed; see the agent log"
-    if event.get("finish_reason") == "cancelled":
-        return "the model's engine closed before the generation ended"
-    return None
-
-
-def _generated(request: Any, event: dict[str, Any], outcome: str | None, *, last: bool) -> Any:
-    """One generate event as a stream response: `text_output` (BYTES [1]) and, on the last, `triton_final_response`,
-    `finish_reason` and `spillway_outcome`."""
-    response = service_pb2.ModelStreamInferResponse()
+def _refusal(request: Any, message: str) -> Any:
+    """A stream's `error_message` for `request`, its model, version and id in `infer_response` (as Triton says it)."""
+    response = service_pb2.ModelStreamInferResponse(error_message=message)
     infer = response.infer_response
-    infer.model_name = str(event.get("model_name", request.model_name))
-    infer.model_version = str(event.get("model_version", request.model_version))
-    infer.id = request.id
-    if "text_output" in event:
-        text = str(event["text_output"]).encode()
-        output = infer.outputs.add()
-        output.name, output.datatype = "text_output", "BYTES"
-        output.shape.append(1)
-        infer.raw_output_contents.append(len(text).to_bytes(4, "little") + text)
-    parameters: dict[str, Any] = {"triton_final_response": last}
-    if last:
-        spillway = event.get(names.OPENAI_FIELD)
-        said = spillway.get("outcome") if isinstance(spillway, dict) else None
-        parameters.update(finish_reason=event.get("finish_reason"), spillway_outcome=said or outcome)
-    set_parameters(infer.parameters, parameters)
+    infer.model_name, infer.model_version, infer.id = request.model_name, request.model_version, request.id
     return response
 
 
@@ -589,22 +603,27 @@ class GrpcEndpoint:
     """The gRPC server of one agent: bound (`bind`, before the app starts, so that a busy port is a start error),
     started once the app is (`start`), stopped with the HTTP drain (`stop`)."""
 
-    def __init__(self, app: InferenceApp, *, max_receive_bytes: int) -> None:
+    def __init__(self, app: InferenceApp, *, max_body_bytes: int, max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
+                 stream_limit: int = STREAM_IN_FLIGHT) -> None:  # fmt: skip
+        """`max_body_bytes`: the app's limit on a request body; gRPC receives a message `PROTOBUF_OVERHEAD_BYTES`
+        bigger, so that the app's 413 is what a request just over the limit meets."""
         self.app = app
-        self.max_receive_bytes = max_receive_bytes
+        self.max_receive_bytes = max_body_bytes + PROTOBUF_OVERHEAD_BYTES
+        self.max_concurrent_rpcs = max_concurrent_rpcs
+        self.stream_limit = stream_limit
         self.server: Any = None
         self.servicer: _Servicer | None = None
         self.port: int | None = None
 
     def bind(self, host: str, port: int) -> int:
         """Bind `host:port` (0: a free port) and return the port; PortBusy when another process holds it."""
-        _check_free(host, port)
-        self.server = grpc.aio.server(options=[
+        check_free(host, port)
+        self.server = grpc.aio.server(maximum_concurrent_rpcs=self.max_concurrent_rpcs, options=[
             ("grpc.so_reuseport", 0),  # a second agent on the same port must fail, not share it
             ("grpc.max_receive_message_length", self.max_receive_bytes),
             ("grpc.max_send_message_length", _SEND_UNLIMITED),
         ])  # fmt: skip
-        self.servicer = _Servicer(self.app)
+        self.servicer = _Servicer(self.app, stream_limit=self.stream_limit)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, self.server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
@@ -622,26 +641,10 @@ class GrpcEndpoint:
 
     async def stop(self, grace_s: float | None) -> None:
         """Refuse new RPCs at once; let those in flight end within `grace_s` (None: cancel them now), an open stream
-        as soon as it has nothing in flight. Idempotent."""
+        as soon as it has nothing in flight; then end the app calls left (their RPCs are over). Idempotent."""
         if self.servicer is not None:
             self.servicer.close_streams()
         if self.server is not None:
             await self.server.stop(grace_s)
-
-
-def _check_free(host: str, port: int) -> None:
-    """PortBusy when something listens on `host:port` (checked with a plain socket, so that gRPC's own failure, which
-    it logs at length, is not the first word on it)."""
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise PortBusy(f"cannot resolve {host}: {exc}") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise PortBusy(f"port {port} on {host} is busy ({exc.strerror})") from None
+        if self.servicer is not None:
+            await self.servicer.settle()

@@ -145,16 +145,24 @@ class ModelRegistry:
     def retired(self, model: LoadedModel) -> None:
         self.retiring.remove(model)
 
-    def install(self, models: list[LoadedModel], default: int | None = None) -> list[LoadedModel]:
+    def install(self, models: list[LoadedModel], default: int, variant: int | None = None) -> list[LoadedModel]:
         """Serve `models`, every version of one model, in place of the versions loaded now (a reload), with `default`
-        as its default version (None, or not among them: the newest); the versions replaced leave routing into
-        `retiring` and are returned, for the caller to close once they have answered their queues."""
+        as its default version and `variant` (one of `models`) served in its place; the default need not be among
+        `models` while a variant replaces it (in memory too). The versions replaced leave routing into `retiring`
+        and are returned, for the caller to close once they have answered their queues."""
         name = models[0].config.name
         if any(m.config.name != name for m in models):
             raise ValueError(f"install takes the versions of one model, got {sorted({m.config.name for m in models})}")
+        numbers = {m.version for m in models}
+        if variant is not None and variant not in numbers:
+            raise ValueError(f"{name} v{variant} is not among the versions installed ({sorted(numbers)})")
+        if default not in numbers and variant is None:
+            raise ValueError(f"{name}: the default v{default} is not among the versions installed ({sorted(numbers)})")
         replaced = self._take_out(name)
         self._by_name[name] = {m.version: m for m in models}
-        self._default[name] = default if default in self._by_name[name] else max(self._by_name[name])
+        self._default[name] = default
+        if variant is not None and variant != default:
+            self._variant[name] = variant
         self._unloaded.discard(name)
         return replaced
 

@@ -1,20 +1,24 @@
-"""Triton's model configuration and model repository endpoints on the agent:
+"""Triton's model repository extension on the agent (`ModelControl`): `POST /v2/repository/index`,
+`/v2/repository/models/{m}/load` and `/unload`. The models of the repository folder and their state; loading (or
+reloading) one while the agent serves, after the memory check and with the warm-up of a start, the versions it
+replaces answering what they have queued before they close; unloading one: it leaves routing at once (new requests
+get 404 saying so), what it has queued is answered, then its instances close. One load or unload at a time, and none
+while a policy changes the loaded versions (`ModelRegistry.changing`); their blocking parts run off the event loop.
 
-- `GET /v2/models/{m}[/versions/{v}]/config`: the model's config as Triton returns it (`config_json` of the message
-  the model was loaded with, completed as Triton completes it: `completed_config`, `generative_config`);
-- `POST /v2/repository/index`, `/v2/repository/models/{m}/load` and `/unload` (`ModelControl`): the models of the
-  repository folder and their state; loading (or reloading) one while the agent serves, after the memory check and
-  with the warm-up of a start, the versions it replaces answering what they have queued before they close;
-  unloading one: it leaves routing at once (new requests get 404 saying so), what it has queued is answered, then
-  its instances close. One load or unload at a time, and none while a policy changes the loaded versions
-  (`ModelRegistry.changing`); their blocking parts run off the event loop.
+A loaded model follows the active policy (`PolicyFollower`, the agent's PolicyApplier): the load takes the versions
+the policy serves (its variant too, in place of the default where the config does not list it), its variant and
+batching are in force from the step that installs it, and the next documents are checked against it as loaded.
 
-Generative models are listed and their config is served, but they are not loaded or unloaded at run time: their
-engines are wired into the OpenAI API, the policy applier and telemetry at start (refused with 400 saying so).
+Generative models are listed, but they are not loaded or unloaded at run time: their engines are wired into the
+OpenAI API, the policy applier and telemetry at start (refused, saying so).
 
-Refusals are `RepositoryError`s carrying their status: 400 a bad body or a model that cannot load, 404 no such model,
-409 a model that would not fit in the memory free now (naming what it needs and what is free), 500 a load that
-failed for a reason of onnxruntime's or ours (logged with its trace).
+Refusals, mapped onto HTTP statuses by the app's repository route:
+
+    RepositoryError          a bad body, a generative model, a model that cannot load (its config, its graph)
+    ├── NotInRepository      no such model in the repository folder (or loaded)
+    ├── LoadConflict         it would not fit in the memory free now (naming the need and what is free), or the
+    │                        active policy does not fit it as its folder holds it now
+    └── LoadFailed           onnxruntime's own error, or a bug of ours (logged with its trace)
 """
 
 from __future__ import annotations
@@ -23,25 +27,16 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
-
-from google.protobuf import json_format
-from google.protobuf.descriptor import FieldDescriptor
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, runtime_checkable
 
 from edge_agent.errors import AgentError
-from edge_agent.runtime.config import (
-    DECODER_PLATFORM,
-    TRITON_DATATYPES,
-    ModelConfigError,
-    config_hints,
-    model_config_pb2,
-    read_config_message,
-)
-from edge_agent.runtime.gpu import GPU_PROVIDERS, GpuMemoryError
+from edge_agent.policy.apply import Reload
+from edge_agent.policy.plan import ModelPlan, PolicyRefused, ServedModel
+from edge_agent.runtime.config import ModelConfigError, log_config_hints, read_config_message
+from edge_agent.runtime.gpu import GpuMemoryError
 from edge_agent.runtime.memory import HostMemoryError
-from edge_agent.runtime.repository import UnknownModelError, is_generative, load_model, model_dirs
+from edge_agent.runtime.repository import UnknownModelError, check_onnx_graph, is_generative, load_model, model_dirs
 from edge_agent.runtime.runner import RunnerError
-from spillway.contract.spec import ModelConfig, QueuePolicy
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -49,154 +44,38 @@ if TYPE_CHECKING:
     from edge_agent.generation.pool import EnginePool
     from edge_agent.serving.models import LoadedModel, ModelRegistry, ModelSource
     from edge_agent.serving.pipeline import PolicyGate
+    from spillway.contract.spec import ModelVersion
 
 log = logging.getLogger("spillway.agent")
 
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
-_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tensorrt"}
-_TRITON_TYPES = {v2: triton for triton, v2 in TRITON_DATATYPES.items()}
-_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
-          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}  # fmt: skip
 
 
 class RepositoryError(AgentError):
-    """A repository request refused; `status` is its HTTP answer (400, 404 or 409) and the message says why."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+    """A repository request refused; the message says why."""
 
 
-# ---- the model config, as Triton returns it -------------------------------------------------------------------
+class NotInRepository(RepositoryError):
+    """No model by that name in the repository folder (or, to unload, loaded)."""
 
 
-def config_json(message: Any) -> dict[str, Any]:
-    """Triton's JSON of a ModelConfig: proto field names, the fields without presence printed with their defaults
-    (Triton's `always_print_primitive_fields`), and 64-bit integers as numbers, as Triton prints them (protobuf's
-    JSON writes them as strings)."""
-    try:
-        body = json_format.MessageToDict(message, preserving_proto_field_name=True,
-                                         always_print_fields_with_no_presence=True)  # fmt: skip
-    except TypeError:  # protobuf before 5.26 names that option differently
-        body = json_format.MessageToDict(message, preserving_proto_field_name=True,
-                                         including_default_value_fields=True)  # fmt: skip
-    return _int64_as_numbers(message.DESCRIPTOR, body)
+class LoadConflict(RepositoryError):
+    """The model cannot load now: it would not fit in the memory free, or the active policy does not fit it."""
 
 
-def _int64_as_numbers(descriptor: Any, body: dict[str, Any]) -> dict[str, Any]:
-    for field in descriptor.fields:
-        if field.name not in body:
-            continue
-        value = body[field.name]
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            entry = field.message_type.fields_by_name["value"]
-            body[field.name] = {key: _number_value(entry, item) for key, item in value.items()}
-        elif _repeated(field):
-            body[field.name] = [_number_value(field, item) for item in value]
-        else:
-            body[field.name] = _number_value(field, value)
-    return body
+class LoadFailed(RepositoryError):
+    """onnxruntime failed for a reason of its own, or the agent for a bug of its own (logged with its trace)."""
 
 
-def _number_value(field: Any, value: Any) -> Any:
-    if field.message_type is not None:
-        return _int64_as_numbers(field.message_type, value)
-    return int(value) if field.type in _INT64 else value
+@runtime_checkable
+class PolicyFollower(Protocol):
+    """The active policy, kept in step with the models loaded and unloaded here (edge_agent/policy/apply.py)."""
 
+    def plan_reload(self, configured: Sequence[ModelVersion], default_version: int, repository: Path) -> Reload: ...
 
-def _repeated(field: Any) -> bool:
-    flag = getattr(field, "is_repeated", None)  # protobuf 6 deprecates `label`
-    return bool(flag) if flag is not None else bool(field.label == FieldDescriptor.LABEL_REPEATED)
+    def reloaded(self, reload: Reload) -> None: ...
 
-
-def completed_config(message: Any | None, config: ModelConfig, providers: Sequence[str]) -> Any:
-    """The model's config message (derived from `config` without one) with what Triton fills in itself: the name,
-    the backend and platform, the version policy, and each instance group's count and kind (from the execution
-    providers it runs on, where the config leaves the kind to the server)."""
-    pb2 = model_config_pb2()
-    done = pb2.ModelConfig()
-    done.CopyFrom(message if message is not None else derived_config(config))
-    done.name = config.name
-    done.platform = done.platform or config.platform
-    if not done.backend and done.platform in _BACKENDS:
-        done.backend = _BACKENDS[done.platform]
-    if not done.HasField("version_policy"):
-        done.version_policy.latest.num_versions = 1
-    on_gpu = any(p in GPU_PROVIDERS for p in providers)
-    kinds = pb2.ModelInstanceGroup.Kind
-    if not done.instance_group:
-        done.instance_group.add(count=1)
-    for group in done.instance_group:
-        group.count = max(group.count, 1)
-        if group.kind == kinds.Value("KIND_AUTO"):
-            group.kind = kinds.Value("KIND_GPU" if group.gpus or on_gpu else "KIND_CPU")
-    return done
-
-
-def derived_config(config: ModelConfig) -> Any:
-    """Triton's ModelConfig message for a normalised config (a model the agent holds without its file)."""
-    pb2 = model_config_pb2()
-    message = pb2.ModelConfig(name=config.name, platform=config.platform, max_batch_size=config.max_batch_size)
-    for specs, tensors in ((config.inputs, message.input), (config.outputs, message.output)):
-        for spec in specs:
-            tensors.add(name=spec.name, data_type=pb2.DataType.Value(_TRITON_TYPES[spec.datatype]), dims=spec.shape)
-    batching = config.dynamic_batching
-    if batching is not None:
-        target = message.dynamic_batching
-        target.preferred_batch_size.extend(batching.preferred_batch_sizes)
-        target.max_queue_delay_microseconds = batching.max_queue_delay_us
-        target.priority_levels = batching.priority_levels
-        target.default_priority_level = batching.default_priority_level
-        _queue_policy(batching.default_queue_policy, target.default_queue_policy)
-        for level, policy in batching.priority_queue_policy.items():
-            _queue_policy(policy, target.priority_queue_policy[level])
-    message.instance_group.add(count=config.instance_count)
-    versions = config.version_policy
-    if versions.kind == "all":
-        message.version_policy.all.SetInParent()
-    elif versions.kind == "specific":
-        message.version_policy.specific.versions.extend(versions.versions)
-    else:
-        message.version_policy.latest.num_versions = versions.latest_n
-    for key, value in config.parameters.items():
-        message.parameters[key].string_value = value
-    return message
-
-
-def _queue_policy(policy: QueuePolicy, target: Any) -> None:
-    target.timeout_action = target.DELAY if policy.timeout_action == "DELAY" else target.REJECT
-    target.default_timeout_microseconds = policy.default_timeout_us
-    target.allow_timeout_override = policy.allow_timeout_override
-    target.max_queue_size = policy.max_queue_size
-
-
-def generative_config(name: str, version: str, message: Any | None, providers: Sequence[str]) -> Any:
-    """A generative model's config: its config file's, completed, or for one without a file, what the agent derives
-    (the decoder platform, no batching dimension, the version it serves, one instance)."""
-    pb2 = model_config_pb2()
-    if message is None:
-        message = pb2.ModelConfig(name=name, platform=DECODER_PLATFORM)
-        if version.isdigit():
-            message.version_policy.specific.versions.append(int(version))
-    done = pb2.ModelConfig()
-    done.CopyFrom(message)
-    done.name = name
-    if not done.HasField("version_policy"):
-        done.version_policy.latest.num_versions = 1
-    on_gpu = any(p in GPU_PROVIDERS for p in providers)
-    if not done.instance_group:
-        done.instance_group.add(count=1)
-    for group in done.instance_group:
-        group.count = max(group.count, 1)
-        if group.kind == pb2.ModelInstanceGroup.Kind.Value("KIND_AUTO"):
-            group.kind = pb2.ModelInstanceGroup.Kind.Value("KIND_GPU" if on_gpu else "KIND_CPU")
-    return done
-
-
-def log_config_hints(name: str, message: Any | None, providers: Sequence[str]) -> None:
-    """At load: one line per config field the agent accepts without honouring it (runtime.config.config_hints)."""
-    for line in [] if message is None else config_hints(message, name, providers):
-        log.warning("%s", line)
+    def unloaded(self, name: str) -> None: ...
 
 
 # ---- request bodies -------------------------------------------------------------------------------------------
@@ -279,16 +158,15 @@ class ModelControl:
         """Args:
         registry: the served V2 models (changed here on load and unload).
         source: the repository folder and how to load a version (None: nothing can be loaded at run time).
-        policy: the active policy; a reloaded model takes its variant and batching again.
+        policy: the active policy; where it is a PolicyFollower (the agent's applier), loads and unloads follow it.
         engines: the generative models' pools by name, read at each call.
         """
         self.registry = registry
         self.source = source
-        self.policy = policy
+        self.follower = policy if isinstance(policy, PolicyFollower) else None
         self._engines = engines
         self._moving: dict[str, str] = {}  # LOADING or UNLOADING, by model
         self._unavailable: dict[str, tuple[list[str], str]] = {}  # model -> (the versions it had, why)
-        self._listeners: dict[str, dict[int, Any]] = {}  # unloaded model -> its versions' telemetry hooks
         self._tasks: set[asyncio.Task[Any]] = set()
         self.on_loaded: list[Callable[[LoadedModel], None]] = []  # e.g. telemetry's `attach`
 
@@ -340,7 +218,7 @@ class ModelControl:
         if self.source is None:
             raise RepositoryError("this agent was given its models without a repository folder: nothing to load")
         if not self._on_disk(name):
-            raise RepositoryError(f"no model {name!r} in the model repository {self.source.root}", 404)
+            raise NotInRepository(f"no model {name!r} in the model repository {self.source.root}")
         return self.source.root / name
 
     def _refuse_generative(self, name: str) -> NoReturn:
@@ -352,11 +230,11 @@ class ModelControl:
         if name in self._engines():
             self._refuse_generative(name)
         model_dir = self._model_dir(name)
-        assert self.source is not None
         async with self.registry.changing:
             self._moving[name] = LOADING
             try:
-                loaded = await self._load_versions(name, model_dir)
+                reload = await self._plan(name, model_dir)
+                loaded = await self._load_versions(name, reload)
                 message = await asyncio.to_thread(read_config_message, loaded[0].config)  # for its hints
             except RepositoryError as exc:
                 if name not in self.registry.names():  # a failed reload leaves the running versions serving
@@ -364,57 +242,69 @@ class ModelControl:
                 raise
             finally:
                 self._moving.pop(name, None)
-            self._commit(name, loaded, message)
+            self._commit(reload, loaded, message)
         return loaded
 
-    async def _load_versions(self, name: str, model_dir: Path) -> list[LoadedModel]:
-        """Each version the config serves, after its memory check, warmed up; on a failure, those loaded close."""
+    async def _plan(self, name: str, model_dir: Path) -> Reload:
+        """The versions the model's config serves now, and which of them (with the policy's variant) to load."""
         assert self.source is not None
         try:
             if await asyncio.to_thread(is_generative, model_dir):
                 self._refuse_generative(name)
-            versions = await asyncio.to_thread(load_model, model_dir)
+            configured = await asyncio.to_thread(load_model, model_dir)
         except (ModelConfigError, UnknownModelError) as exc:
             raise RepositoryError(f"cannot load {name!r}: {exc}") from None
+        numbers = tuple(v.version for v in configured)
+        wanted = self.source.defaults.get(name)  # the agent's default_versions, where it still serves that one
+        default = wanted if wanted in numbers else max(numbers)
+        if self.follower is None:
+            return Reload(ServedModel(configured[0].config, default, numbers, self.source.root), ModelPlan(name),
+                          configured)  # fmt: skip
+        try:
+            return self.follower.plan_reload(configured, default, self.source.root)
+        except PolicyRefused as exc:
+            raise LoadConflict(f"cannot load {name!r}: the active policy does not fit it as its folder holds it now: "
+                               f"{exc}") from None  # fmt: skip
+
+    async def _load_versions(self, name: str, reload: Reload) -> list[LoadedModel]:
+        """Each version to load, after its memory check, warmed up; on a failure, those loaded close."""
+        assert self.source is not None
         loaded: list[LoadedModel] = []
         try:
-            for version in versions:
+            for version in reload.versions:
                 what = f"cannot load {name!r} v{version.version}"
                 try:
+                    if version.version not in reload.served.configured_versions and version.path.name == "model.onnx":
+                        await asyncio.to_thread(check_onnx_graph, version.config, version.path)  # a variant's graph
                     await asyncio.to_thread(self.source.check_fits, version)
                     loaded.append(await asyncio.to_thread(self.source.load, version))
                 except (GpuMemoryError, HostMemoryError) as exc:
-                    raise RepositoryError(f"{what}: {exc}", 409) from None
+                    raise LoadConflict(f"{what}: {exc}") from None
                 except (ModelConfigError, RunnerError) as exc:
                     raise RepositoryError(f"{what}: {exc}") from None
                 except Exception as exc:  # onnxruntime's own errors, or a bug of ours: said, never a trace
                     log.exception("loading %s v%d failed", name, version.version)
-                    raise RepositoryError(f"{what}: {type(exc).__name__}: {exc}", 500) from None
+                    raise LoadFailed(f"{what}: {type(exc).__name__}: {exc}") from None
         except RepositoryError:
             await asyncio.gather(*(asyncio.to_thread(m.worker.close) for m in loaded))
             raise
         return loaded
 
-    def _commit(self, name: str, loaded: list[LoadedModel], message: Any | None) -> None:
+    def _commit(self, reload: Reload, loaded: list[LoadedModel], message: Any | None) -> None:
         """On the event loop, in one step: the new versions serve, with the active policy's variant and batching."""
-        assert self.source is not None
-        replaced = self.registry.install(loaded, self.source.defaults.get(name))
-        hooks = {**self._listeners.pop(name, {}), **{m.version: m.worker.stats.listener for m in replaced}}
-        plan = None if self.policy is None else self.policy.plan_for(name)
-        if plan is not None and plan.variant is not None and plan.variant.version in self.registry.versions(name):
-            self.registry.set_variant(name, plan.variant.version)
+        name = reload.name
+        replaced = self.registry.install(loaded, reload.served.default_version, reload.variant)
+        if self.follower is not None:
+            self.follower.reloaded(reload)
         for model in loaded:
-            if plan is not None and (plan.max_queue_delay_us is not None or plan.preferred_batch_sizes is not None):
-                delay = None if plan.max_queue_delay_us is None else plan.max_queue_delay_us / 1e6
-                model.worker.retune(max_queue_delay_s=delay, preferred_batch_sizes=plan.preferred_batch_sizes)
-            model.worker.stats.listener = model.worker.stats.listener or hooks.get(model.version)
             for hook in self.on_loaded:
                 hook(model)
         self._unavailable.pop(name, None)
         if replaced:
             self._background(self._close(replaced))
         log_config_hints(name, message, loaded[0].providers)
-        log.info("loaded %s v%s from the repository%s", name, ", v".join(str(m.version) for m in loaded),
+        variant = "" if reload.variant is None else f" (v{reload.variant} serving as the policy's variant)"
+        log.info("loaded %s v%s from the repository%s%s", name, ", v".join(str(m.version) for m in loaded), variant,
                  f"; v{', v'.join(str(m.version) for m in replaced)} answer their queues, then unload"
                  if replaced else "")  # fmt: skip
 
@@ -425,12 +315,13 @@ class ModelControl:
             if name not in self.registry.names():
                 if name in self._unavailable or self._on_disk(name):
                     return  # not loaded: nothing to do (as Triton)
-                raise RepositoryError(f"unknown model {name!r}", 404)
+                raise NotInRepository(f"unknown model {name!r}")
             self._moving[name] = UNLOADING
             try:
                 taken = self.registry.remove(name)
+                if self.follower is not None:
+                    self.follower.unloaded(name)
                 self._unavailable[name] = ([str(m.version) for m in taken], "unloaded")
-                self._listeners[name] = {m.version: m.worker.stats.listener for m in taken}
                 log.info("unloading %s: new requests are refused; answering what it has queued", name)
                 await self._close(taken)
             finally:

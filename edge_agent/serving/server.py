@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from edge_agent.overflow.queue import AsyncQueue
     from edge_agent.policy.client import PolicyPoller
     from edge_agent.runtime.repository import GenerativeModel
-    from edge_agent.serving.legacy_port import SidePorts
+    from edge_agent.serving.ports import Ports, SidePorts
     from edge_agent.telemetry import LiveTelemetry
 
 log = logging.getLogger("spillway.agent")
@@ -64,32 +65,42 @@ def scheduler_config(model: ModelConfig, agent: AgentConfig) -> SchedulerConfig:
 
 def load_model(version: ModelVersion, agent: AgentConfig) -> LoadedModel:
     """Create the model's instances (each on the GPU its `instance_group.gpus` pins it to, else the agent's
-    `device_id`), measure its warm-up profile, and put a worker in front."""
-    from edge_agent.runtime.config import instance_devices, read_config_message
+    `device_id`; a pinned GPU this machine does not have is refused, naming the field), measure its warm-up profile,
+    and put a worker in front."""
+    import onnxruntime as ort
+
+    from edge_agent.runtime import gpu
+    from edge_agent.runtime.config import check_instance_gpus, pinning_field, placed_devices, read_config_message
     from edge_agent.runtime.profile import warmup_batch_sizes
-    from edge_agent.runtime.runner import OrtRunner
-    from edge_agent.serving.repository_api import completed_config
+    from edge_agent.runtime.runner import OrtRunner, RunnerError, choose_providers
+    from edge_agent.serving.triton_config import completed_config
 
     threads = agent.intra_op_threads or (os.cpu_count() or 1)
     message = read_config_message(version.config)
-    devices = [agent.device_id if d is None else d for d in instance_devices(message, version.config.instance_count)]
-    runners = [
-        OrtRunner(
-            version,
-            intra_op_threads=threads,
-            inter_op_threads=agent.inter_op_threads,
-            providers=agent.providers,
-            gpu_mem_limit=agent.gpu_mem_limit,
-            device_id=device,
-        )
-        for device in devices
-    ]
+    count = version.config.instance_count
+    devices = placed_devices(message, count, agent.device_id)
+    on_gpu = any(p in gpu.GPU_PROVIDERS for p in choose_providers(ort.get_available_providers(), agent.providers))
+    present = gpu.device_count() if on_gpu else None  # None (no NVML): a GPU not there fails its session, said below
+    if present is not None:
+        check_instance_gpus(message, present, version.config.source)
+    runners = []
+    for index, device in enumerate(devices):
+        try:
+            runners.append(OrtRunner(version, intra_op_threads=threads, inter_op_threads=agent.inter_op_threads,
+                                     providers=agent.providers, gpu_mem_limit=agent.gpu_mem_limit,
+                                     device_id=device))  # fmt: skip
+        except RunnerError as exc:
+            field = pinning_field(message, count, index) if on_gpu else None
+            if field is None:
+                raise
+            raise RunnerError(f"{exc} (config field '{field}' of {version.config.source} pins instance {index} "
+                              f"to GPU {device})") from exc  # fmt: skip
     profile = runners[0].warm_up(warmup_batch_sizes(max(1, version.config.max_batch_size)))
     scheduler = Scheduler(scheduler_config(version.config, agent), profile)
     worker = ModelWorker(scheduler, list(runners), profile, batching=version.config.max_batch_size > 0,
                          name=f"{version.config.name}-v{version.version}")  # fmt: skip
     providers = tuple(runners[0].providers)
-    placed = f" (instances on devices {devices})" if set(devices) != {agent.device_id} else ""
+    placed = f" (instances on devices {list(devices)})" if set(devices) != {agent.device_id} else ""
     log.info("loaded %s v%d on %s%s; warm-up %s", version.config.name, version.version, list(providers), placed,
              {k: f"{v * 1e3:.2f} ms" for k, v in profile.snapshot().items()})  # fmt: skip
     return LoadedModel(version.config, version.version, worker, providers,
@@ -99,10 +110,10 @@ def load_model(version: ModelVersion, agent: AgentConfig) -> LoadedModel:
 def build_registry(agent: AgentConfig) -> ModelRegistry:
     """Load every served version and log each model's config hints once; `default_versions` that name no served
     version are refused at start. The registry keeps where its models came from, for the repository extension."""
-    from edge_agent.runtime.config import read_config_message
+    from edge_agent.runtime.config import log_config_hints, read_config_message
     from edge_agent.runtime.repository import generative_models
     from edge_agent.serving.models import ModelSource
-    from edge_agent.serving.repository_api import generative_config, log_config_hints
+    from edge_agent.serving.triton_config import generative_config
 
     repository = load_repository(agent.model_repository)
     unknown = sorted(set(agent.default_versions) - set(repository.models))
@@ -155,13 +166,13 @@ def check_variant_fits(version: ModelVersion, agent: AgentConfig) -> None:
     instances are pinned to (`instance_group.gpus`; else the agent's `device_id`)."""
     import onnxruntime as ort
 
-    from edge_agent.runtime.config import instance_devices, read_config_message
+    from edge_agent.runtime.config import placed_devices, read_config_message
     from edge_agent.runtime.memory import check_load_fits
     from edge_agent.runtime.runner import choose_providers
 
     providers = choose_providers(ort.get_available_providers(), agent.providers)
-    devices = instance_devices(read_config_message(version.config), version.config.instance_count)
-    for device in sorted({agent.device_id if d is None else d for d in devices}):
+    devices = placed_devices(read_config_message(version.config), version.config.instance_count, agent.device_id)
+    for device in sorted(set(devices)):
         check_load_fits(version, providers, device_id=device, headroom=agent.load_headroom_bytes)
 
 
@@ -414,18 +425,31 @@ def _safe(agent_id: str) -> str:
 class DrainingServer(GracefulServer):
     """On SIGTERM/SIGINT: stop admitting (new requests get 503 `draining` with `Connection: close`), answer everything
     queued, then close the listener and each connection between two requests (GracefulServer), then exit. The gRPC
-    server and the legacy port (`side`) close with the HTTP listener; RPCs in flight end within the drain's time."""
+    server and the legacy port (`side`) close with the HTTP listener. One deadline, `drain_timeout_s` after the
+    signal, bounds it all: the queues' drain, the connections' and the RPCs' each get only the time left."""
 
     def __init__(self, config: uvicorn.Config, app: InferenceApp, drain_timeout_s: float,
                  applier: PolicyApplier | None = None, side: SidePorts | None = None) -> None:  # fmt: skip
-        """`side`: the gRPC server and the legacy port (legacy_port.py), bound before the app starts, started after
-        it, drained with it."""
+        """`side`: the gRPC server and the legacy port (ports.py), bound before the app starts, started after it,
+        drained with it."""
         super().__init__(config, close_timeout_s=drain_timeout_s)
         self.inference = app
         self.applier = applier
         self.drain_timeout_s = drain_timeout_s
         self.side = side
         self._side_drained: asyncio.Task[None] | None = None
+        self._deadline: float | None = None  # time.monotonic() by which the drain ends, set at the first signal
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.drain_timeout_s
+        super().handle_exit(sig, frame)
+
+    def _time_left(self) -> float:
+        """Seconds to the drain's deadline (from now, when the drain did not start with a signal)."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.drain_timeout_s
+        return max(0.0, self._deadline - time.monotonic())
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if self.side is not None:
@@ -434,17 +458,20 @@ class DrainingServer(GracefulServer):
         if self.started and self.side is not None:
             await self.side.start(self.servers[0].sockets[0].getsockname()[1])
 
+    async def quiesce(self, deadline: float) -> None:
+        await super().quiesce(min(deadline, time.monotonic() + self._time_left()))
+
     async def close_listeners(self) -> None:
         await super().close_listeners()
-        if self.side is not None:  # new RPCs refused from now on; those in flight end within the drain's time
+        if self.side is not None:  # new RPCs refused from now on; those in flight end by the deadline
             self.side.close_listeners()
-            self._side_drained = asyncio.ensure_future(self.side.drain(self.drain_timeout_s))
+            self._side_drained = asyncio.ensure_future(self.side.drain(self._time_left()))
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.side is not None:
             if self._side_drained is not None and not self.force_exit:  # a second signal: no more waiting
-                await asyncio.wait([self._side_drained], timeout=self.drain_timeout_s)
-            await self.side.close(0.0 if self.force_exit else 1.0)
+                await asyncio.wait([self._side_drained], timeout=self._time_left())
+            await self.side.close(0.0 if self.force_exit else min(1.0, self._time_left()))
         await super().shutdown(sockets=sockets)
 
     async def before_close(self) -> None:
@@ -455,24 +482,26 @@ class DrainingServer(GracefulServer):
         engines = self.inference.engines.values()  # every running stream ends, with its tokens
         try:
             await asyncio.wait_for(asyncio.gather(*(w.drain() for w in workers), *(e.drain() for e in engines)),
-                                   self.drain_timeout_s)  # fmt: skip
+                                   self._time_left())  # fmt: skip
             log.info("drained: every queued request was answered")
         except asyncio.TimeoutError:
             log.warning("drain timed out after %.0f s", self.drain_timeout_s)
 
 
-def serve(config: AgentConfig, *, registry: ModelRegistry | None = None, log_level: str = "info") -> None:
+def serve(config: AgentConfig, *, registry: ModelRegistry | None = None, ports: Ports | None = None,
+          log_level: str = "info") -> None:  # fmt: skip
     """Serve until SIGTERM/SIGINT: HTTP on `port`, V2 gRPC on `grpc_port` and, for one release, the pre-0.2 HTTP port
-    (legacy_port.py). PortUnavailable (a ModelConfigError, exit 2): a gRPC port the config names cannot be served."""
-    from edge_agent.serving.legacy_port import SidePorts, plan_ports
+    (ports.py). `ports`: as `check_ports` found them before the models loaded (else planned here). PortUnavailable (a
+    ModelConfigError, exit 2): a port the config names cannot be served."""
+    from edge_agent.serving.ports import SidePorts, plan_ports
 
-    ports = plan_ports(config)
+    ports = ports or plan_ports(config)
     agent = build_agent(config, registry or build_registry(config))
     options: dict[str, Any] = {"host": config.host, "port": config.port, "log_level": log_level,
                                "access_log": False, "server_header": False, "lifespan": "on"}  # fmt: skip
     side = None
     if ports.grpc is not None or ports.legacy is not None:
-        side = SidePorts(ports, agent.app, max_receive_bytes=config.max_body_bytes)
+        side = SidePorts(ports, agent.app, max_body_bytes=config.max_body_bytes)
     server = DrainingServer(uvicorn.Config(agent.app, **options), agent.app, config.drain_timeout_s, agent.applier,
                             side)  # fmt: skip
     try:

@@ -14,11 +14,15 @@ import pytest
 from edge_agent.config import AgentConfig
 from edge_agent.runtime.config import (
     ModelConfigError,
+    check_instance_gpus,
     config_hints,
     instance_devices,
     parse_config_file,
+    pinning_field,
+    placed_devices,
 )
 from edge_agent.runtime.repository import load_repository
+from edge_agent.runtime.runner import session_providers
 from edge_agent.serving.server import build_registry
 from spillway.demo.models import CONFIG_PBTXT, TINY_LM_CONFIG
 from tests.agent.conftest import start_agent, stop_agent
@@ -92,6 +96,36 @@ def test_gpus_place_instances_round_robin_as_triton_does(tmp_path: Path) -> None
     assert instance_devices(parse_config_file(write_config(tmp_path, mixed)), 3) == (3, None, None)
     assert instance_devices(two_each, 3) == (None, None, None)  # the file changed since: the agent's device_id
     assert instance_devices(None, 2) == (None, None)
+
+
+def test_each_instance_session_is_created_on_its_pinned_gpu(tmp_path: Path) -> None:
+    mixed = CONFIG_PBTXT.replace("  {\n    count: 1\n    kind: KIND_CPU\n  }",
+                                 "  { count: 2 kind: KIND_GPU gpus: [ 0, 1 ] },\n  { count: 1 }")  # fmt: skip
+    message = parse_config_file(write_config(tmp_path, mixed))
+    devices = placed_devices(message, 5, device_id=3)  # unpinned: the agent's device_id
+    assert devices == (0, 1, 0, 1, 3)
+    for providers in (CUDA, ["TensorrtExecutionProvider", *CUDA]):
+        sessions = [dict(session_providers(providers, 1 << 30, device)) for device in devices]
+        for name in providers[:-1]:  # each GPU provider of each instance's session gets its instance's GPU
+            assert [options[name]["device_id"] for options in sessions] == ["0", "1", "0", "1", "3"]
+        assert all(options["CPUExecutionProvider"] == {} for options in sessions)
+    assert dict(session_providers(CUDA, 1 << 30, 1))["CUDAExecutionProvider"]["gpu_mem_limit"] == str(1 << 30)
+    assert [pinning_field(message, 5, i) for i in range(5)] == ["instance_group[0].gpus"] * 4 + [None]
+    assert pinning_field(message, 4, 0) is None  # the file changed since it was loaded: nothing pinned
+
+
+def test_gpus_this_machine_does_not_have_are_refused_naming_the_field(tmp_path: Path) -> None:
+    two = CONFIG_PBTXT.replace("  {\n    count: 1\n    kind: KIND_CPU\n  }",
+                               "  { count: 1 },\n  { count: 1 kind: KIND_GPU gpus: [ 0, 2, 1 ] }")  # fmt: skip
+    path = write_config(tmp_path, two)
+    message = parse_config_file(path)
+    check_instance_gpus(message, 3, path)  # ids 0..2 are there
+    with pytest.raises(ModelConfigError, match=r"config.pbtxt: field 'instance_group\[1\].gpus'") as refused:
+        check_instance_gpus(message, 1, path)  # a one-GPU machine
+    assert "GPU(s) [1, 2] are not present (this machine has 1 GPU(s): ids 0..0)" in str(refused.value)
+    with pytest.raises(ModelConfigError, match="has 0 GPU"):
+        check_instance_gpus(message, 0, path)
+    check_instance_gpus(None, 0, path)  # a model without its file: nothing pinned
 
 
 def test_gpus_are_accepted_and_count_instances_as_triton(tmp_path: Path, demo_repo: Path) -> None:

@@ -10,6 +10,8 @@ import queue
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -60,15 +62,36 @@ def _input(x: np.ndarray) -> triton.InferInput:
 
 
 def test_server_and_model_calls(client: triton.InferenceServerClient) -> None:
-    assert client.is_server_live() and client.is_server_ready()
-    assert client.is_model_ready("mlp") and client.is_model_ready("mlp", "1")
-    assert not client.is_model_ready("nope")
-    meta = client.get_model_metadata("mlp", "2", as_json=True)
+    assert client.is_server_live(client_timeout=WAIT_S) and client.is_server_ready(client_timeout=WAIT_S)
+    assert client.is_model_ready("mlp", client_timeout=WAIT_S) and client.is_model_ready(
+        "mlp", "1", client_timeout=WAIT_S
+    )
+    assert not client.is_model_ready("nope", client_timeout=WAIT_S)
+    meta = client.get_model_metadata("mlp", "2", as_json=True, client_timeout=WAIT_S)
     assert meta["inputs"][0]["name"] == "input" and meta["outputs"][0]["shape"] == ["-1", "1000"]
-    assert client.get_server_metadata().name == "spillway-edge-agent"
+    assert client.get_server_metadata(client_timeout=WAIT_S).name == "spillway-edge-agent"
     with pytest.raises(InferenceServerException, match="unknown model") as err:
-        client.get_model_metadata("nope")
+        client.get_model_metadata("nope", client_timeout=WAIT_S)
     assert err.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_a_generative_model_is_ready_with_triton_s_generate_metadata(
+    agent: RunningAgent, client: triton.InferenceServerClient
+) -> None:
+    """As the repository index says READY: ready, and the decoupled LLM shape of Triton's vLLM backend."""
+    assert client.is_model_ready(TINY_LM, client_timeout=WAIT_S)
+    assert not client.is_model_ready(TINY_LM, "99", client_timeout=WAIT_S)
+    meta = client.get_model_metadata(TINY_LM, as_json=True, client_timeout=WAIT_S)
+    config = client.get_model_config(TINY_LM, as_json=True, client_timeout=WAIT_S)["config"]
+    assert meta["platform"] == config["platform"] and meta["versions"] == [config["version_policy"]["specific"]
+                                                                              ["versions"][0]]  # fmt: skip
+    assert meta["inputs"][0] == {"name": "text_input", "datatype": "BYTES", "shape": ["1"]}
+    assert {i["name"] for i in meta["inputs"]} >= {"stream", "sampling_parameters"}
+    assert meta["outputs"] == [{"name": "text_output", "datatype": "BYTES", "shape": ["1"]}]
+    http = httpx.get(f"{agent.url}/v2/models/{TINY_LM}", timeout=WAIT_S)
+    assert http.status_code == 200 and http.json()["inputs"][0]["name"] == "text_input"
+    ready = httpx.get(f"{agent.url}/v2/models/{TINY_LM}/ready", timeout=WAIT_S)
+    assert ready.status_code == 200 and ready.json() == {"name": TINY_LM, "ready": True}
 
 
 @pytest.mark.parametrize("version", ["1", "2"])
@@ -92,21 +115,22 @@ def test_bad_input_is_invalid_argument_naming_the_input(client: triton.Inference
 
 def test_statistics_in_triton_shape(client: triton.InferenceServerClient) -> None:
     def successes() -> int:
-        stats = client.get_inference_statistics("mlp", "2").model_stats[0]
+        stats = client.get_inference_statistics("mlp", "2", client_timeout=WAIT_S).model_stats[0]
         assert stats.name == "mlp" and stats.version == "2"
         return int(stats.inference_stats.success.count)
 
     before = successes()
     client.infer("mlp", [_input(np.ones((2, 512), np.float32))], model_version="2", client_timeout=WAIT_S)
     assert successes() == before + 1
-    stats = client.get_inference_statistics("mlp", "2", as_json=True)["model_stats"][0]
+    stats = client.get_inference_statistics("mlp", "2", as_json=True, client_timeout=WAIT_S)["model_stats"][0]
     assert {"batch_size", "compute_infer"} <= set(stats["batch_stats"][0])
 
 
 def test_async_infer(client: triton.InferenceServerClient, demo_repo: Path) -> None:
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
     x = np.random.default_rng(7).standard_normal((3, 512), dtype=np.float32)
-    client.async_infer("mlp", [_input(x)], lambda result, error: answers.put((result, error)), model_version="2")
+    client.async_infer("mlp", [_input(x)], lambda result, error: answers.put((result, error)), model_version="2",
+                       client_timeout=WAIT_S)  # fmt: skip
     result, error = answers.get(timeout=WAIT_S)
     assert error is None
     np.testing.assert_array_equal(result.as_numpy("output"), _onnxruntime(demo_repo, "2", x))
@@ -130,15 +154,9 @@ def test_typed_contents_infer_and_the_outcome_in_trailing_metadata(stub: Any, de
     assert response.id == "typed"
     assert dict(call.trailing_metadata())["spillway-outcome"] == "local"
 
-    short = _typed_request(x)
-    del short.inputs[0].contents.fp32_contents[-1]  # one value short of its shape
-    with pytest.raises(grpc.RpcError) as err:
-        stub.ModelInfer(short, timeout=WAIT_S)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'input'" in err.value.details()
-    assert dict(err.value.trailing_metadata())["spillway-reason"] == "invalid_request"
-
     unknown = _typed_request(x)
     unknown.model_name = "nope"
+    del unknown.inputs[0].contents.fp32_contents[-1]  # the model is looked up first, as over HTTP
     with pytest.raises(grpc.RpcError) as err:
         stub.ModelInfer(unknown, timeout=WAIT_S)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -146,23 +164,58 @@ def test_typed_contents_infer_and_the_outcome_in_trailing_metadata(stub: Any, de
     assert trailing["spillway-outcome"] == "rejected" and trailing["spillway-reason"] == "unknown_model"
 
 
-def test_a_deadline_the_model_cannot_meet_is_refused_at_once(stub: Any) -> None:
-    """The RPC's deadline is the request's: mlp v1 cannot answer 64 rows in 15 ms, so the agent refuses it on arrival
-    (UNAVAILABLE, `deadline_unmeetable`) rather than compute it for nobody. The scheduler lets one request through
-    now and then to check its estimate on an idle model; that one may miss the client's deadline."""
+def test_contents_the_codec_refuses_are_counted_as_http_counts_a_bad_request(agent: RunningAgent, stub: Any) -> None:
+    def refused() -> int:
+        found = [o["count"] for o in agent.stats("2")["outcomes"] if (o["priority"], o["outcome"]) == (0, "rejected")]
+        return sum(found)
+
+    before = refused()
+    short = _typed_request(np.ones((2, 512), np.float32))
+    del short.inputs[0].contents.fp32_contents[-1]  # one value short of its shape
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ModelInfer(short, timeout=WAIT_S)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "input 'input': fp32_contents holds 1023 values but shape [2, 512] needs 1024"
+    trailing = dict(err.value.trailing_metadata())
+    assert (trailing["spillway-outcome"], trailing["spillway-reason"]) == ("rejected", "invalid_request")
+    assert refused() == before + 1
+    http = httpx.post(f"{agent.url}/v2/models/mlp/versions/2/infer", content=b"{", timeout=WAIT_S)
+    assert http.status_code == 400 and refused() == before + 2  # the same count, over HTTP
+
+
+def test_a_request_just_over_the_body_limit_meets_the_agent_s_refusal_and_far_over_grpc_s(stub: Any) -> None:
+    """The agent's max_body_bytes is 8 MiB here: a message a little over it reaches the app, which refuses it with its
+    outcome (as over HTTP); one far over it is refused by gRPC itself."""
+
+    def request(size: int) -> Any:
+        message = service_pb2.ModelInferRequest(model_name="mlp", model_version="2")
+        message.inputs.add(name="input", datatype="FP32", shape=[size // 2048, 512])
+        message.raw_input_contents.append(bytes(size))
+        return message
+
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ModelInfer(request((8 << 20) + 2048), timeout=WAIT_S)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    trailing = dict(err.value.trailing_metadata())
+    assert (trailing["spillway-outcome"], trailing["spillway-reason"]) == ("rejected", "payload_too_large")
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ModelInfer(request(9 << 20), timeout=WAIT_S)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_deadline_the_model_cannot_meet_is_refused_with_its_outcome(stub: Any) -> None:
+    """A budget of 1 us (`spillway-timeout-us`, the header HTTP reads; the RPC's own deadline is generous): no batch can
+    be done in time, so the request is refused, UNAVAILABLE with its outcome, rather than computed for nobody: on
+    arrival (`deadline_unmeetable`), or, when the scheduler lets one through to check its estimate on an idle model,
+    once its deadline has passed in the queue (`timeout`)."""
     request = _typed_request(np.ones((64, 512), np.float32), version="1")
-    seen = []
-    for _ in range(5):
-        with pytest.raises(grpc.RpcError) as err:
-            stub.ModelInfer(request, timeout=0.015)
-        seen.append(err.value.code())
-        if err.value.code() == grpc.StatusCode.UNAVAILABLE:
-            trailing = dict(err.value.trailing_metadata())
-            assert trailing["spillway-reason"] == "deadline_unmeetable" and "retry-after" in trailing
-            break
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert seen[-1] == grpc.StatusCode.UNAVAILABLE, seen
-    # A deadline it can meet (within the model's own 100 ms default timeout): served.
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ModelInfer(request, metadata=[("spillway-timeout-us", "1")], timeout=WAIT_S)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    trailing = dict(err.value.trailing_metadata())
+    assert trailing["spillway-outcome"] == "rejected" and "retry-after" in trailing
+    assert trailing["spillway-reason"] in ("deadline_unmeetable", "timeout")
+    # A budget it can meet: served.
     response = stub.ModelInfer(_typed_request(np.ones((1, 512), np.float32)), timeout=WAIT_S)
     assert list(response.outputs[0].shape) == [1, 1000]
 
@@ -188,7 +241,7 @@ def _against(app: _ScriptedApp, *calls: Callable[[Any], Any]) -> list[Any]:
     """Each of `calls` (given the stub) against a gRPC endpoint in front of `app`; what each returned or raised."""
 
     async def scenario() -> list[Any]:
-        endpoint = GrpcEndpoint(app, max_receive_bytes=1 << 20)  # type: ignore[arg-type]
+        endpoint = GrpcEndpoint(app, max_body_bytes=1 << 20)  # type: ignore[arg-type]
         port = endpoint.bind("127.0.0.1", 0)
         await endpoint.start()
 
@@ -220,8 +273,10 @@ def _tiny_request() -> Any:
 def test_the_deadline_reaches_the_app_as_its_budget() -> None:
     """The RPC's time remaining arrives as `spillway-timeout-us`, the header the HTTP path reads for its budget."""
     app = _ScriptedApp(200, {"model_name": "m", "model_version": "1", "outputs": []}, [])
+    # The second call has no deadline (so no budget); its wait is bounded all the same.
     _against(app, lambda stub: stub.ModelInfer(_tiny_request(), timeout=20),
-             lambda stub: stub.ModelInfer(_tiny_request(), metadata=[("authorization", "Bearer t")]))  # fmt: skip
+             lambda stub: stub.ModelInfer.future(_tiny_request(), metadata=[("authorization", "Bearer t")]
+                                                 ).result(timeout=WAIT_S))  # fmt: skip
     assert 0 < int(app.seen[0][b"spillway-timeout-us"]) <= 20_000_000
     assert b"spillway-timeout-us" not in app.seen[1] and app.seen[1][b"authorization"] == b"Bearer t"
 
@@ -231,7 +286,8 @@ def test_an_async_job_accepted_is_a_response_without_outputs_saying_so() -> None
            "location": "/spillway/v1/jobs/j1",
            "parameters": {"spillway_outcome": "queued_async", "spillway_reason": "no_gateway"}}  # fmt: skip
     headers = [(b"spillway-outcome", b"queued_async"), (b"spillway-reason", b"no_gateway"), (b"spillway-job-id", b"j1")]
-    ((response, call),) = _against(_ScriptedApp(202, job, headers), lambda s: s.ModelInfer.with_call(_tiny_request()))
+    ((response, call),) = _against(_ScriptedApp(202, job, headers),
+                                   lambda s: s.ModelInfer.with_call(_tiny_request(), timeout=WAIT_S))  # fmt: skip
     assert not response.outputs and response.id == "r"
     said = {k: v.string_param for k, v in response.parameters.items()}
     assert said == {"spillway_outcome": "queued_async", "spillway_reason": "no_gateway", "spillway_job_id": "j1",
@@ -248,24 +304,95 @@ def test_a_refusal_is_its_status_code_with_the_error_text_and_why_in_trailing_me
 ) -> None:
     body = {"error": "priority 2 queue is full", "reason": "queue_full", "outcome": "rejected"}
     headers = [(b"spillway-outcome", b"rejected"), (b"spillway-reason", b"queue_full"), (b"retry-after", b"3")]
-    (error,) = _against(_ScriptedApp(status, body, headers), lambda stub: stub.ModelInfer(_tiny_request()))
+    (error,) = _against(
+        _ScriptedApp(status, body, headers), lambda stub: stub.ModelInfer(_tiny_request(), timeout=WAIT_S)
+    )
     assert error.code() == code and error.details() == "priority 2 queue is full"
     trailing = dict(error.trailing_metadata())
     assert (trailing["spillway-reason"], trailing["retry-after"]) == ("queue_full", "3")
 
 
+class _HeldApp(_ScriptedApp):
+    """A scripted app that holds every infer call until `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(200, {"model_name": "m", "model_version": "1", "outputs": []}, [])
+        self.release = asyncio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        self.seen.append(dict(scope["headers"]))
+        await self.release.wait()
+        await super().__call__(scope, receive, send)
+        self.seen.pop()  # counted once, above
+
+
+def test_a_stream_holds_a_bounded_number_of_requests_and_answers_each_one_read_when_the_agent_drains() -> None:
+    """Three requests on a stream that takes two at a time: the third waits, unread by the app. The agent drains: the
+    waiting one is answered "the agent is shutting down", the two in flight are answered, and the stream, which the
+    client has not closed, ends UNAVAILABLE (it would read nothing more)."""
+    app = _HeldApp()
+    client_done = threading.Event()
+
+    def requests() -> Iterator[Any]:
+        for ident in ("a", "b", "c"):
+            request = _tiny_request()
+            request.id = ident
+            yield request
+        client_done.wait(WAIT_S)  # the client keeps its side open
+
+    def run(port: int) -> tuple[list[tuple[str, str]], Any]:
+        answers: list[tuple[str, str]] = []
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            try:
+                for response in stub.ModelStreamInfer(requests(), timeout=WAIT_S):
+                    answers.append((response.infer_response.id, response.error_message))
+            except grpc.RpcError as exc:
+                return answers, exc.code()
+            finally:
+                client_done.set()
+        return answers, grpc.StatusCode.OK
+
+    async def scenario() -> tuple[int, list[tuple[str, str]], Any]:
+        endpoint = GrpcEndpoint(app, max_body_bytes=1 << 20, stream_limit=2)  # type: ignore[arg-type]
+        port = endpoint.bind("127.0.0.1", 0)
+        await endpoint.start()
+        client = asyncio.ensure_future(asyncio.to_thread(run, port))
+        try:
+            assert endpoint.servicer is not None
+            for _ in range(WAIT_S * 100):  # until the third request waits for room (bounded: 10 ms a look)
+                if any(stream.waiting is not None for stream in endpoint.servicer.streams):
+                    break
+                await asyncio.sleep(0.01)
+            held = len(app.seen)
+            stopping = asyncio.ensure_future(endpoint.stop(WAIT_S))
+            await asyncio.sleep(0)  # the stop has begun: the streams are closing
+            app.release.set()
+            await stopping
+            answers, code = await client
+            return held, answers, code
+        finally:
+            client_done.set()
+            await endpoint.stop(None)
+
+    held, answers, code = asyncio.run(asyncio.wait_for(scenario(), WAIT_S))
+    assert held == 2
+    assert sorted(answers) == [("a", ""), ("b", ""), ("c", "the agent is shutting down")]
+    assert code == grpc.StatusCode.UNAVAILABLE
+
+
 def test_config_and_repository_index(client: triton.InferenceServerClient) -> None:
-    config = client.get_model_config("mlp").config
+    config = client.get_model_config("mlp", client_timeout=WAIT_S).config
     assert config.name == "mlp" and config.max_batch_size == 64
     assert [i.name for i in config.input] == ["input"] and list(config.output[0].dims) == [1000]
-    index = client.get_model_repository_index()
+    index = client.get_model_repository_index(client_timeout=WAIT_S)
     found = {(m.name, m.version): m.state for m in index.models}
     assert found[("mlp", "1")] == "READY" and found[("mlp", "2")] == "READY"
 
 
 def test_unimplemented_extensions_say_so(client: triton.InferenceServerClient) -> None:
     with pytest.raises(InferenceServerException, match="shared memory") as err:
-        client.get_system_shared_memory_status()
+        client.get_system_shared_memory_status(client_timeout=WAIT_S)
     assert err.value.status() == "StatusCode.UNIMPLEMENTED"
 
 
@@ -288,7 +415,7 @@ def _scalar(name: str, value: Any, datatype: str) -> triton.InferInput:
 def _stream(client: triton.InferenceServerClient, requests: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """Send `requests` on one stream; every response by request id, until each request has its last one."""
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    client.start_stream(callback=lambda result, error: answers.put((result, error)), stream_timeout=WAIT_S)
     try:
         for request in requests:
             client.async_stream_infer(**request)
@@ -347,7 +474,7 @@ def test_a_refused_stream_request_is_an_error_message_and_the_stream_goes_on(
     client: triton.InferenceServerClient,
 ) -> None:
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    client.start_stream(callback=lambda result, error: answers.put((result, error)), stream_timeout=WAIT_S)
     try:
         client.async_stream_infer(TINY_LM, [_text_input("")], request_id="empty")
         result, error = answers.get(timeout=WAIT_S)
@@ -376,21 +503,27 @@ def token_agent(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 def test_the_token_travels_in_authorization_metadata(token_agent: RunningAgent) -> None:
     client = triton.InferenceServerClient(url=token_agent.grpc)
-    assert client.is_server_live()  # unauthenticated, as over HTTP
+    assert client.is_server_live(client_timeout=WAIT_S)  # unauthenticated, as over HTTP
     x = np.ones((1, 512), np.float32)
     for headers in ({}, {"authorization": "Bearer wrong"}):
         with pytest.raises(InferenceServerException, match="bearer token") as err:
             client.infer("mlp", [_input(x)], headers=headers, client_timeout=WAIT_S)
         assert err.value.status() == "StatusCode.UNAUTHENTICATED"
     with pytest.raises(InferenceServerException) as err:
-        client.get_model_metadata("mlp")
+        client.get_model_metadata("mlp", client_timeout=WAIT_S)
     assert err.value.status() == "StatusCode.UNAUTHENTICATED"
+    short = _typed_request(x)
+    del short.inputs[0].contents.fp32_contents[-1]  # the token is checked first, as over HTTP
+    with grpc.insecure_channel(token_agent.grpc) as channel, pytest.raises(grpc.RpcError) as refused:
+        service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(short, timeout=WAIT_S)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     good = {"authorization": "Bearer s3cret"}
     result = client.infer("mlp", [_input(x)], headers=good, client_timeout=WAIT_S)
     assert result.as_numpy("output").shape == (1, 1000)
-    assert client.is_server_ready(headers=good)
+    assert client.is_server_ready(headers=good, client_timeout=WAIT_S)
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))  # no token on this stream
+    client.start_stream(callback=lambda result, error: answers.put((result, error)),
+                        stream_timeout=WAIT_S)  # no token on this stream  # fmt: skip
     try:
         client.async_stream_infer("mlp", [_input(x)], request_id="s")
         result, error = answers.get(timeout=WAIT_S)
@@ -412,36 +545,59 @@ def test_a_busy_grpc_port_named_in_the_config_is_a_start_error(demo_repo: Path, 
     assert done.returncode == 2, done.stderr[-3000:]
     assert f"grpc_port: port {busy} on 127.0.0.1 is busy" in done.stderr
     assert "Traceback" not in done.stderr
+    assert "loaded mlp" not in done.stderr  # said before any model is loaded and warmed up
 
 
-def test_sigterm_lets_a_stream_finish_and_ends_idle_streams(demo_repo: Path, tmp_path: Path) -> None:
-    """The drain: a generation in flight on a stream gets all its tokens and its last response; a stream with nothing
-    in flight ends at once, so the agent exits long before its drain timeout (120 s here)."""
+def _until_the_stream_ends(answers: queue.Queue[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """A stream's callbacks until the RPC itself ends (an error with a gRPC status, not one request's error)."""
+    found: list[tuple[Any, Any]] = []
+    while not found or found[-1][1] is None or found[-1][1].status() is None:
+        found.append(answers.get(timeout=WAIT_S))
+    return found
+
+
+def test_sigterm_lets_a_stream_finish_answers_each_request_and_ends_open_streams_unavailable(
+    demo_repo: Path, tmp_path: Path
+) -> None:
+    """The drain: a generation in flight on a stream gets all its tokens and its last response; a request sent once the
+    drain has begun is answered "the agent is shutting down"; a stream the client keeps open then ends UNAVAILABLE
+    (never a silent OK: the agent reads nothing more), an idle one as soon as the drain reaches the streams, so the
+    agent exits long before its drain timeout (120 s here)."""
     running = start_agent(demo_repo, tmp_path, intra_op_threads=1, drain_timeout_s=120)
     busy, idle = triton.InferenceServerClient(running.grpc), triton.InferenceServerClient(running.grpc)
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
     idle_answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
     try:
-        idle.start_stream(callback=lambda result, error: idle_answers.put((result, error)))
+        idle.start_stream(callback=lambda result, error: idle_answers.put((result, error)), stream_timeout=WAIT_S)
         idle.async_stream_infer(TINY_LM, [_text_input("Hi")], request_id="i", parameters={"max_tokens": 1})
         assert idle_answers.get(timeout=WAIT_S)[1] is None  # answered: nothing in flight on it now
-        busy.start_stream(callback=lambda result, error: answers.put((result, error)))
+        busy.start_stream(callback=lambda result, error: answers.put((result, error)), stream_timeout=WAIT_S)
         busy.async_stream_infer(TINY_LM, [_text_input("Once")], request_id="long",
-                                parameters={"max_tokens": 400, "ignore_eos": True, "temperature": 0})  # fmt: skip
-        responses = [answers.get(timeout=WAIT_S)]
+                                parameters={"max_tokens": 500, "ignore_eos": True, "temperature": 0})  # fmt: skip
+        first = answers.get(timeout=WAIT_S)
         running.proc.terminate()
-        while not responses[-1][0].get_response().parameters["triton_final_response"].bool_param:
-            result, error = answers.get(timeout=WAIT_S)
-            assert error is None, error
-            responses.append((result, error))
+        for _ in range(WAIT_S * 100):  # until the drain has begun (bounded: 10 ms a look)
+            if httpx.get(f"{running.url}/v2/health/ready", timeout=WAIT_S).status_code == 503:
+                break
+            time.sleep(0.01)
+        for client in (busy, idle):
+            client.async_stream_infer(TINY_LM, [_text_input("Late")], request_id="late", parameters={"max_tokens": 1})
+        busy_seen = [first, *_until_the_stream_ends(answers)]
+        idle_seen = _until_the_stream_ends(idle_answers)
         assert running.proc.wait(timeout=60) == 0
     finally:
         if running.proc.poll() is None:
             running.proc.kill()
         busy.stop_stream(cancel_requests=True)
         idle.stop_stream(cancel_requests=True)
-    assert responses[-1][0].get_response().parameters["finish_reason"].string_param == "length"
-    assert len(_text([r.get_response() for r, _ in responses])) > 0
+    for seen in (busy_seen, idle_seen):
+        assert seen[-1][1].status() == "StatusCode.UNAVAILABLE" and "shutting down" in seen[-1][1].message()
+        refused = [error for _, error in seen[:-1] if error is not None]
+        assert len(refused) == 1 and "the agent is shutting down" in refused[0].message()  # the late request's
+    tokens = [result.get_response() for result, _ in busy_seen if result is not None]
+    assert [r.parameters["triton_final_response"].bool_param for r in tokens].count(True) == 1
+    assert tokens[-1].parameters["triton_final_response"].bool_param
+    assert tokens[-1].parameters["finish_reason"].string_param == "length" and len(_text(tokens)) > 0
 
 
 # ---- the codec (spillway/contract/grpc_codec.py) --------------------------------------------------------------------

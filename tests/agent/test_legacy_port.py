@@ -1,6 +1,6 @@
-"""The pre-0.2 HTTP port and the ports beside HTTP (legacy_port.py), on ephemeral loopback ports: a connection is
-spliced by its first bytes to the HTTP server or the gRPC server; busy and missing ports follow the decision (a default
-one is a warning, one the config names a start error)."""
+"""The pre-0.2 HTTP port (legacy_port.py) and the ports beside HTTP (ports.py), on ephemeral loopback ports: a
+connection is spliced by its first bytes to the HTTP server or the gRPC server; busy, missing and clashing ports follow
+the decision (a default one is a warning, one the config names a start error)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from tritonclient.utils import InferenceServerException
 
 from edge_agent.config import AgentConfig
 from edge_agent.serving.app import InferenceApp
-from edge_agent.serving.legacy_port import LEGACY_HTTP_PORT, LegacyPort, Ports, PortUnavailable, SidePorts, plan_ports
+from edge_agent.serving.legacy_port import LEGACY_HTTP_PORT, LegacyPort
 from edge_agent.serving.models import ModelRegistry
+from edge_agent.serving.ports import Ports, PortUnavailable, SidePorts, check_ports, plan_ports
 from tests.utils.server import free_port, serving
 
 WAIT_S = 30
@@ -48,7 +49,7 @@ def test_the_legacy_port_splices_http_to_the_http_port_and_grpc_to_the_grpc_serv
     from edge_agent.serving.grpc_server import GrpcEndpoint
 
     async def scenario() -> tuple[int, list[int], bool, bool]:
-        endpoint = GrpcEndpoint(app, max_receive_bytes=1 << 20)
+        endpoint = GrpcEndpoint(app, max_body_bytes=1 << 20)
         grpc_port = endpoint.bind("127.0.0.1", 0)
         await endpoint.start()
         legacy = LegacyPort()
@@ -59,8 +60,8 @@ def test_the_legacy_port_splices_http_to_the_http_port_and_grpc_to_the_grpc_serv
                 answers = [(await client.get("/v2/health/live")).status_code for _ in range(2)]  # one connection
                 answers.append((await client.post("/v2/models/nope/infer", json={})).status_code)
             grpc = triton.InferenceServerClient(f"127.0.0.1:{port}")
-            live = await asyncio.to_thread(grpc.is_server_live)
-            ready = await asyncio.to_thread(grpc.is_model_ready, "nope")
+            live = await asyncio.to_thread(grpc.is_server_live, client_timeout=WAIT_S)
+            ready = await asyncio.to_thread(grpc.is_model_ready, "nope", client_timeout=WAIT_S)
             return port, answers, live, ready
         finally:
             await legacy.close(1.0)
@@ -128,6 +129,37 @@ def test_plan_ports_keeps_the_old_http_port_only_for_configs_that_set_no_port(tm
     assert plan_ports(AgentConfig(model_repository=tmp_path, port=9000, grpc_port=None)).grpc is None
 
 
+def test_a_grpc_port_equal_to_the_http_port_is_off_when_defaulted_and_a_start_error_when_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`port: 8001` (the pre-0.2 default, written out) with grpc_port left at its default (8001): HTTP keeps the port,
+    gRPC is off with one warning. Both named and equal, or a grpc_port named equal to the default HTTP port: refused."""
+    with caplog.at_level(logging.INFO, logger="spillway.agent"):
+        ports = plan_ports(AgentConfig(model_repository=tmp_path, port=8001))
+    assert ports == Ports("127.0.0.1", None, False, None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "gRPC off: port 8001 is the HTTP port; set grpc_port to serve gRPC"
+    ]
+    for settings in ({"port": 9000, "grpc_port": 9000}, {"grpc_port": 8000}):
+        with pytest.raises(PortUnavailable, match=r"grpc_port: \d+ is also the HTTP port"):
+            plan_ports(AgentConfig(model_repository=tmp_path, **settings))
+    # Both port 0: two free ports, never the same one.
+    assert plan_ports(AgentConfig(model_repository=tmp_path, port=0, grpc_port=0)).grpc == 0
+
+
+def test_check_ports_refuses_a_busy_http_port_or_named_grpc_port_and_lets_a_default_one_be(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        with pytest.raises(PortUnavailable, match=f"agent config port: port {busy} on 127.0.0.1 is busy"):
+            check_ports(AgentConfig(model_repository=tmp_path, port=busy, grpc_port=None))
+        with pytest.raises(PortUnavailable, match=f"agent config grpc_port: port {busy} on 127.0.0.1 is busy"):
+            check_ports(AgentConfig(model_repository=tmp_path, port=0, grpc_port=busy))
+        # The default gRPC port is not probed here: busy, it is a warning when the agent binds (SidePorts).
+        assert check_ports(AgentConfig(model_repository=tmp_path, port=free_port())).grpc_explicit is False
+
+
 def test_without_grpcio_a_default_grpc_port_is_a_log_line_and_a_named_one_a_start_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -141,7 +173,7 @@ def test_without_grpcio_a_default_grpc_port_is_a_log_line_and_a_named_one_a_star
 
 
 def _side(app: InferenceApp, grpc: int, explicit: bool, legacy: int | None = None) -> SidePorts:
-    return SidePorts(Ports("127.0.0.1", grpc, explicit, legacy), app, max_receive_bytes=1 << 20)
+    return SidePorts(Ports("127.0.0.1", grpc, explicit, legacy), app, max_body_bytes=1 << 20)
 
 
 def test_a_busy_default_grpc_port_is_a_warning_and_a_named_one_a_start_error(
@@ -178,7 +210,7 @@ def test_grpc_behind_the_legacy_port_listens_on_loopback_only(app: InferenceApp,
         await side.start(http_port)
         try:
             grpc = triton.InferenceServerClient(f"127.0.0.1:{legacy_port}")
-            return side.grpc_port, await asyncio.to_thread(grpc.is_server_live)
+            return side.grpc_port, await asyncio.to_thread(grpc.is_server_live, client_timeout=WAIT_S)
         finally:
             await side.close()
 

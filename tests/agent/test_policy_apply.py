@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -506,3 +507,82 @@ def test_default_versions_must_name_served_versions(lite_repo: Path) -> None:
                               ({"resnet": 1}, "no model(s) ['resnet']")):  # fmt: skip
         with pytest.raises(ModelConfigError, match=re.escape(message)):
             build_registry(AgentConfig(model_repository=lite_repo, intra_op_threads=1, default_versions=defaults))
+
+
+# ---- models loaded and unloaded through the repository extension ----------------------------------------
+
+
+def test_a_reload_keeps_the_policys_variant_and_the_next_document_sees_the_reloaded_config(
+    demo_repo: Path, tmp_path: Path
+) -> None:
+    repo = make_repository(demo_repo, tmp_path / "repo", versions=(1,), deadlines=False)  # v2 on disk: a variant
+    agent = make_agent(repo, tmp_path)
+    config = repo / "mlp" / "config.pbtxt"
+    x = RNG.standard_normal((1, 512), dtype=np.float32)
+
+    async def served(c: httpx.AsyncClient) -> tuple[str, str | None]:
+        r = await c.post("/v2/models/mlp/infer", json=infer_body(x))
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(output(r), reference(repo, int(r.json()["model_version"]), x), rtol=1e-5, atol=1e-5)
+        return r.json()["model_version"], r.headers.get("spillway-variant")
+
+    async def settled() -> None:
+        while agent.registry.retiring:  # the versions replaced answer their queues, then close
+            await asyncio.sleep(0.01)
+
+    async def scenario(c: httpx.AsyncClient) -> None:
+        assert await apply(agent, document(1, mlp={"variant": 2}))
+        await settled()
+        assert agent.registry.versions("mlp") == [2] and await served(c) == ("2", "2")
+        config.write_text(config.read_text().replace("max_batch_size: 64", "max_batch_size: 128"))
+        reloaded = await c.post("/v2/repository/models/mlp/load")
+        assert reloaded.status_code == 200, reloaded.text
+        assert reloaded.json()["versions"] == ["2"]  # the variant, in place of the default, as the policy had it
+        await settled()
+        assert await served(c) == ("2", "2")  # the policy's variant still serves after the reload
+        status = (await c.get("/v2/spillway/status")).json()["models"]["mlp"]
+        assert (status["default_version"], status["variant"], status["loaded_versions"]) == (1, 2, [2])
+        # The next document is checked against the config as reloaded (128 rows now, 64 at start).
+        bigger = document(2, mlp={"variant": 2, "preferred_batch_sizes": [128]})
+        assert await apply(agent, bigger), agent.applier.last_refusal
+        assert await apply(agent, document(3))  # reverting loads v1 again, with the reloaded config
+        await settled()
+        assert agent.registry.versions("mlp") == [1] and await served(c) == ("1", None)
+        v1 = agent.registry.loaded("mlp", 1)
+        assert v1 is not None and v1.config.max_batch_size == 128
+
+    run(agent, scenario)
+
+
+def test_a_model_loaded_after_start_follows_the_active_policy_and_one_it_does_not_fit_is_refused(
+    demo_repo: Path, tmp_path: Path
+) -> None:
+    repo = make_repository(demo_repo, tmp_path / "repo", versions=(2,), deadlines=False)
+    agent = make_agent(repo, tmp_path)
+    other = Path(shutil.copytree(repo / "mlp", repo / "other"))  # in the folder after start: not loaded
+    (other / "config.pbtxt").write_text((other / "config.pbtxt").read_text().replace('name: "mlp"', 'name: "other"'))
+    x = RNG.standard_normal((1, 512), dtype=np.float32)
+
+    async def scenario(c: httpx.AsyncClient) -> None:
+        assert await apply(agent, document(1, other={"shed": {"at_or_below": 2, "retry_after_s": 7}}))
+        assert agent.applier.plan_for("other") is None  # not served: its entry waits
+        assert (await c.post("/v2/repository/models/other/load")).status_code == 200
+        shed = await c.post("/v2/models/other/infer", json=infer_body(x, priority=2))
+        assert shed.status_code == 503 and shed.headers["spillway-reason"] == "shed", shed.text
+        assert shed.headers["retry-after"] == "7"
+        assert (await c.post("/v2/models/other/infer", json=infer_body(x, priority=1))).status_code == 200
+        status = (await c.get("/v2/spillway/status")).json()
+        assert status["models"]["other"]["shed"]["at_or_below"] == 2
+
+        # Unloaded, it is no longer checked: a document it would not fit is applied; loading it then is refused.
+        assert (await c.post("/v2/repository/models/other/unload")).status_code == 200
+        assert await apply(agent, document(2, other={"variant": 9}))
+        refused = await c.post("/v2/repository/models/other/load")
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert "the active policy does not fit it" in error and "no version 9" in error
+        index = (await c.post("/v2/repository/index")).json()
+        assert {r["state"] for r in index if r["name"] == "other"} == {"UNAVAILABLE"}
+        assert agent.registry.names() == ["mlp"]
+
+    run(agent, scenario)

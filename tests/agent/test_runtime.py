@@ -26,6 +26,7 @@ from edge_agent.runtime import (
     load_repository,
     warmup_batch_sizes,
 )
+from edge_agent.runtime.gpu import device_count
 from spillway.demo.models import CONFIG_PBTXT, DemoVariant, build_demo_repository, build_mlp
 
 TINY = DemoVariant(version=1, label="tiny", hidden=(8,))
@@ -143,6 +144,15 @@ def test_runner_refuses_what_onnxruntime_cannot_run(demo_repo: Path) -> None:
     plan = dataclasses.replace(model, config=dataclasses.replace(model.config, platform="tensorrt_plan"))
     with pytest.raises(RunnerError, match="tensorrt_plan"):
         OrtRunner(plan)
+
+
+def test_a_session_onnxruntime_cannot_create_is_a_runner_error_naming_the_file(tmp_path: Path) -> None:
+    make_tiny_repo(tmp_path)
+    model = load_repository(tmp_path).get("mlp", 1)
+    model.path.write_bytes(b"not an onnx graph")  # after the graph check: what onnxruntime alone refuses
+    with pytest.raises(RunnerError, match="cannot create a session on CPUExecutionProvider") as refused:
+        OrtRunner(model, providers=["CPUExecutionProvider"])
+    assert str(model.path) in str(refused.value)
 
 
 def test_providers_are_tried_tensorrt_then_cuda_then_cpu() -> None:
@@ -382,6 +392,8 @@ def test_warm_up_batch_sizes_double_up_to_the_maximum() -> None:
 
 def test_gpu_probe_never_raises_and_checks_nothing_it_cannot_measure() -> None:
     assert free_gpu_memory(device_id=10_000) is None  # no such GPU anywhere
+    count = device_count()
+    assert count is None or count >= 0  # None: no NVML (then pinned GPUs are checked by their sessions)
     free = free_gpu_memory()
     if free is None:  # no NVML or no GPU, as on the CPU-only CI machine
         assert check_fits(10**15) is None
