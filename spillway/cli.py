@@ -194,6 +194,20 @@ def dashboard(
 # ---- the edge agent (no control-plane imports) ----
 
 
+def _import_in_background(module: str) -> None:
+    """Import `module` on a daemon thread (what needs it later waits on Python's per-module import lock); a failure
+    is left for the import that needs it to report."""
+    import contextlib
+    import importlib
+    import threading
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            importlib.import_module(module)
+
+    threading.Thread(target=run, name=f"import {module}", daemon=True).start()
+
+
 @agent_app.command("serve")
 def agent_serve(
     model_repository: Annotated[Path | None, typer.Option(help="Triton-layout model repository")] = None,
@@ -244,6 +258,8 @@ def agent_serve(
     except PortUnavailable as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    if ports.grpc is not None:  # grpcio and the generated code take ~0.5 s to import: beside the models' warm-up
+        _import_in_background("edge_agent.serving.grpc_server")
     try:
         registry = build_registry(agent)
     except (ModelConfigError, RunnerError, GpuMemoryError) as exc:
