@@ -149,7 +149,8 @@ def test_retries_on_another_backend_and_ejects_after_five_failures(tmp_path: Pat
         alpha.set(mode="status", status=503)
         attempts: Counter[str] = Counter()
         for _ in range(200):
-            response = plane.infer(**{"spillway-timeout-us": "2000000"})
+            # A generous deadline: what is tested is where a request goes, not how fast (a busy CI machine stalls).
+            response = plane.infer(**{"spillway-timeout-us": "20000000"})
             assert response.status_code == 200, response.text  # every one answered, by beta
             assert response.headers["spillway-backend"] == b["name"]
             attempts[response.headers["spillway-attempts"]] += 1
@@ -186,8 +187,10 @@ def test_transport_failures_are_retried_elsewhere(tmp_path: Path, alpha: Faulty,
         healthy = plane.register(beta.url)
         seen: Counter[str] = Counter()
         for _ in range(30):
-            response = plane.infer(**{"spillway-timeout-us": "2000000"})
-            assert response.status_code == 200 and response.headers["spillway-backend"] == healthy["name"]
+            # A generous deadline: a 2 s one once ran out on a busy CI machine (504); speed is not what is tested.
+            response = plane.infer(**{"spillway-timeout-us": "20000000"})
+            assert response.status_code == 200, response.text
+            assert response.headers["spillway-backend"] == healthy["name"], response.headers
             seen[response.headers["spillway-attempts"]] += 1
         assert seen["2"] >= 1  # some went to the broken one first
         kind = "reset" if mode == "reset" else "connect"
