@@ -13,6 +13,15 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from edge_agent.telemetry.metrics import TelemetrySettings
 from spillway.contract.names import DEFAULT_LATENCY_BUCKETS_MS
+from spillway.contract.tenants import (
+    MAX_TENANTS,
+    NAME_PATTERN,
+    RESERVED_NAMES,
+    Tenant,
+    TenantLimits,
+    check_unique,
+    hash_token,
+)
 
 
 class BreakerSettings(BaseModel):
@@ -99,6 +108,35 @@ class GenerationSettings(BaseModel):
         return self
 
 
+class TenantConfig(TenantLimits):
+    """One tenant as the agent config names it: its token in clear (as the operator's own `token`), or digests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=NAME_PATTERN, description="lower case letters, digits, '_', '.', '-'")
+    token: SecretStr | list[SecretStr] | None = Field(
+        default=None, description="the tenant's bearer token(s) for the agent's APIs"
+    )
+    token_sha256: list[str] = Field(
+        default_factory=list, max_length=16, description="or their SHA-256 hex digests (a file that holds no secret)"
+    )
+
+    @model_validator(mode="after")
+    def _has_a_token(self) -> TenantConfig:
+        if self.name in RESERVED_NAMES:
+            raise ValueError(f"tenant name '{self.name}' is reserved")
+        if self.token is None and not self.token_sha256:
+            raise ValueError(f"tenant '{self.name}' needs a token (or token_sha256)")
+        return self
+
+    def tenant(self) -> Tenant:
+        """The contract's form: the tokens hashed (the clear ones are not kept beyond this)."""
+        tokens = [] if self.token is None else self.token if isinstance(self.token, list) else [self.token]
+        digests = [hash_token(t.get_secret_value()) for t in tokens] + list(self.token_sha256)
+        limits = self.model_dump(exclude={"name", "token", "token_sha256"})
+        return Tenant(name=self.name, token_sha256=list(dict.fromkeys(digests)), **limits)
+
+
 class OtlpEndpoint(BaseModel):
     """One OTLP metrics destination with its own headers (an API key: never logged) and protocol."""
 
@@ -125,7 +163,13 @@ class AgentConfig(BaseModel):
     grpc_port: int | None = Field(
         default=8001, ge=0, le=65535, description="V2 gRPC port (needs spillway[grpc]); null: no gRPC"
     )
-    token: SecretStr | None = Field(default=None, description="bearer token the inference API requires")
+    token: SecretStr | None = Field(
+        default=None, description="bearer token the inference API requires: the operator's (the `default` tenant)"
+    )
+    tenants: list[TenantConfig] = Field(
+        default_factory=list, max_length=MAX_TENANTS,
+        description="applications sharing the agent: tokens, weight, quotas, priority ceiling (a policy may add more)",
+    )  # fmt: skip
     allow_unauthenticated: bool = False
     max_body_bytes: int = Field(default=64 << 20, gt=0)
     intra_op_threads: int = Field(default=0, ge=0, description="onnxruntime threads per run; 0: all cores")
@@ -135,6 +179,11 @@ class AgentConfig(BaseModel):
     )
     device_id: int = Field(default=0, ge=0, description="GPU to use")
     gpu_mem_limit: int | None = Field(default=None, gt=0, description="bytes the CUDA arena may take per session")
+    gpu_memory_budget_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="GPU memory all the agent's models together may take; a load beyond it is refused",
+    )
     max_queued_requests: int = Field(default=4096, ge=1)
     aging_s: float | None = Field(default=None, gt=0, description="serve a request waiting this long first")
     allow_non_finite: bool = Field(default=True, description="accept NaN/Inf in float inputs")
@@ -181,6 +230,15 @@ class AgentConfig(BaseModel):
     overflow: OverflowSettings = Field(default_factory=OverflowSettings)
     async_jobs: AsyncJobSettings = Field(default_factory=AsyncJobSettings)
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
+
+    @model_validator(mode="after")
+    def _tenants_unique(self) -> AgentConfig:
+        check_unique(self.tenant_list())
+        return self
+
+    def tenant_list(self) -> list[Tenant]:
+        """The configured tenants in the contract's form (tokens as digests)."""
+        return [t.tenant() for t in self.tenants]
 
     @model_validator(mode="after")
     def _overflow_fits_the_role(self) -> AgentConfig:

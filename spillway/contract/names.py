@@ -54,6 +54,9 @@ ATTR_VERSION = "spillway.model.version"
 ATTR_PRIORITY = "spillway.priority"
 ATTR_OUTCOME = "spillway.outcome"
 ATTR_POLICY_SOURCE = "spillway.policy.source"
+# The tenant a request belonged to (spillway.contract.tenants): a configured name, `default` (the operator's), or
+# `other` (a tenant the agent no longer knows); on spillway.requests and the duration histograms.
+ATTR_TENANT = "spillway.tenant"
 # The names agents before 0.2 sent; the control plane reads them as the new ones for one release (then drop this).
 LEGACY_ATTRIBUTES = {"model": ATTR_MODEL, "model.version": ATTR_VERSION, "priority": ATTR_PRIORITY,
                      "outcome": ATTR_OUTCOME, "policy.source": ATTR_POLICY_SOURCE}  # fmt: skip
@@ -94,6 +97,7 @@ Reason = Literal[
     "no_gateway",
     "async_storage_full",
     "async_storage_unavailable",
+    "tenant_quota",  # 429: the tenant is over one of its quotas (in flight, requests/s, tokens/s, streams)
 ]
 
 # ---- HTTP headers (lower case, as ASGI carries them) ----------------------------------------------------------------
@@ -107,6 +111,7 @@ H_JOB_STATUS = "spillway-job-status"
 H_TIMEOUT_US = "spillway-timeout-us"  # what is left of an overflowed request's deadline, in microseconds
 H_HEADER_LENGTH = "inference-header-content-length"  # Triton's binary extension: the JSON part's length
 H_RETRY_AFTER = "retry-after"
+H_TENANT = "spillway-tenant"  # an overflowed request's tenant, agent -> gateway (the gateway may cap its share)
 # On a generative answer whose max_tokens a policy capped: the cap applied (the answer ends with finish_reason length
 # when it reaches it).
 H_MAX_TOKENS_CAP = "spillway-max-tokens-cap"
@@ -124,6 +129,7 @@ __all__ = [
     "ATTR_OUTCOME",
     "ATTR_POLICY_SOURCE",
     "ATTR_PRIORITY",
+    "ATTR_TENANT",
     "ATTR_VERSION",
     "BATCH_SIZE",
     "BATCH_SIZE_BUCKETS",
@@ -156,6 +162,7 @@ __all__ = [
     "H_OUTCOME",
     "H_REASON",
     "H_RETRY_AFTER",
+    "H_TENANT",
     "H_TIMEOUT_US",
     "H_VARIANT",
     "KV_BLOCKS_TOTAL",

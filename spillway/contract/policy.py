@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from spillway.contract.tenants import MAX_TENANTS, Tenant, check_unique
+
 ALL_MODELS = "*"
 FORMAT: Literal[1] = 1
 
@@ -113,6 +115,16 @@ class PolicyDocument(_Strict):
     export_interval_s: float | None = Field(default=None, ge=0.5, le=3600)
     poll_interval_s: float | None = Field(default=None, ge=0.5, le=3600)
     causes: list[Cause] = Field(default_factory=list, max_length=1024)
+    tenants: list[Tenant] | None = Field(
+        default=None, max_length=MAX_TENANTS,
+        description="tenants over the agent config's: an entry replaces the configured tenant of its name, a new name "
+        "is added (null: the config's alone)",
+    )  # fmt: skip
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenants_unique(cls, value: list[Tenant] | None) -> list[Tenant] | None:
+        return None if value is None else check_unique(value)
 
     @field_validator("latency_buckets_ms")
     @classmethod
