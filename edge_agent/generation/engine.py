@@ -2,7 +2,8 @@
 an asyncio front end that admits requests at once and streams their tokens.
 
 - `submit` runs on the event loop: it tokenizes nothing (the caller hands over prompt tokens), asks the scheduler to
-  admit the sequence (a refusal is raised at once, before any token), and returns a `Stream`.
+  admit the sequence (a refusal is raised at once, before any token), and returns a `Stream`. The request's tenant
+  goes with it: within a level the scheduler shares the steps between tenants by weight (`set_weights`).
 - The engine thread loops: plan a step (under the lock the front end admits with), run it on the runner outside the
   lock (onnxruntime releases the GIL; the event loop never runs a model step), sample each sequence's next token,
   check EOS, stop strings and `max_tokens`, then hand each stream its new text with `call_soon_threadsafe`.
@@ -17,7 +18,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -28,6 +29,7 @@ from edge_agent.generation.text import IncrementalText, TextCodec
 from edge_agent.scheduling.core import Rejection
 from edge_agent.scheduling.worker import Refused
 from spillway.contract import names
+from spillway.contract.tenants import DEFAULT_TENANT
 
 __all__ = ["Chunk", "GenerationEngine", "GenerationRequest", "Stream", "Timing"]
 
@@ -49,6 +51,7 @@ class GenerationRequest:
     # False: its outcome is counted elsewhere (an async job, counted `queued_async` when it was accepted); the GenAI
     # histograms still record its run.
     counted: bool = True
+    tenant: str = DEFAULT_TENANT  # whose request it is: tenants share a level by weight (the scheduler's fair share)
 
 
 @dataclass(frozen=True)
@@ -121,12 +124,13 @@ class Timing:
 class GenerationListener(Protocol):
     """What the telemetry hears of a generative model (GenerationRecorder)."""
 
-    def outcome(self, priority: int, outcome: str) -> None: ...
+    def outcome(self, priority: int, outcome: str, tenant: str = DEFAULT_TENANT) -> None: ...
 
     def step(self, tokens: int) -> None: ...
 
     def finished(self, priority: int, outcome: str | None, *, operation: str, prompt_tokens: int,
-                 completion_tokens: int, ttft_s: float | None, duration_s: float) -> None: ...  # fmt: skip
+                 completion_tokens: int, ttft_s: float | None, duration_s: float,
+                 tenant: str = DEFAULT_TENANT) -> None: ...  # fmt: skip
 
 
 class GenerationEngine:
@@ -176,7 +180,7 @@ class GenerationEngine:
         job = _Job(request, stream, Sampler(request.sampling), self.text.incremental(), list(request.prompt),
                    level=level, arrived=now)  # fmt: skip
         sequence = Sequence(prompt=len(request.prompt), max_tokens=request.max_tokens, level=level, arrival=now,
-                            deadline=deadline, payload=job)  # fmt: skip
+                            deadline=deadline, payload=job, tenant=request.tenant)  # fmt: skip
         try:
             with self._lock:
                 if self._dead:
@@ -188,11 +192,11 @@ class GenerationEngine:
                 if rejection is None:
                     self._jobs[sequence.id] = sequence
         except ValueError:  # it cannot fit the model: counted as refused, told as a bad request
-            self.refused(level)
+            self.refused(level, request.tenant)
             raise
         if rejection is not None:
             if count_refusal:
-                self.refused(level)
+                self.refused(level, request.tenant)
             raise Refused(rejection)
         self.counts["admitted"] += 1
         stream.job = job
@@ -203,7 +207,7 @@ class GenerationEngine:
         """Seconds to the request's first token were it admitted now (ValueError for a priority out of range)."""
         with self._lock:
             level = self.scheduler.resolve_level(request.priority)
-            return self.scheduler.predict_first_token_s(level, len(request.prompt), time.monotonic())
+            return self.scheduler.predict_first_token_s(level, len(request.prompt), time.monotonic(), request.tenant)
 
     @property
     def load(self) -> int:
@@ -211,11 +215,21 @@ class GenerationEngine:
         with self._lock:
             return len(self.scheduler.running) + self.scheduler.waiting
 
-    def refused(self, level: int = 0) -> None:
+    def refused(self, level: int = 0, tenant: str = DEFAULT_TENANT) -> None:
         """Count a request refused before any token (by admission, or as invalid: level 0)."""
         self.counts["refused"] += 1
-        if self.listener is not None:
+        if self.listener is None:
+            return
+        if tenant == DEFAULT_TENANT:  # as listeners written before tenants are called
             self.listener.outcome(level, names.REJECTED)
+        else:
+            self.listener.outcome(level, names.REJECTED, tenant)
+
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """The tenants' weights for fair share within a level, from the next step on (a tenant left out: 1)."""
+        with self._lock:
+            self.scheduler.set_weights(weights)
+        self._wake.set()
 
     def limit(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
         """Lower the scheduler's limits from the next step on (None: as configured; see GenerationScheduler.limit).
@@ -396,7 +410,8 @@ class GenerationEngine:
                 ttft = None if job.first_token_at is None else job.first_token_at - job.arrived
                 self.listener.finished(job.level, outcome, operation=job.request.operation,
                                        prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
-                                       ttft_s=ttft, duration_s=time.monotonic() - job.arrived)  # fmt: skip
+                                       ttft_s=ttft, duration_s=time.monotonic() - job.arrived,
+                                       tenant=job.request.tenant)  # fmt: skip
             if self._finals is not None:
                 self._finals.append((job, chunk))
                 return

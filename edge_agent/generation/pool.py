@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 from edge_agent.generation.engine import GenerationEngine, GenerationListener, GenerationRequest, Stream, Timing
 from edge_agent.scheduling.worker import Refused
+from spillway.contract.tenants import DEFAULT_TENANT
 
 __all__ = ["EnginePool"]
 
@@ -52,6 +54,12 @@ class EnginePool:
         for engine in self.instances:
             engine.limit(max_num_seqs, max_num_batched_tokens)
 
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """The tenants' weights for fair share within a level, on every instance from its next step (a tenant left
+        out has weight 1). Safe from the event loop while the engines run; ValueError for a weight that is not > 0."""
+        for engine in self.instances:
+            engine.set_weights(weights)
+
     @property
     def active(self) -> int:
         """Sequences admitted and not yet ended, over the instances."""
@@ -81,12 +89,12 @@ class EnginePool:
             except Refused as exc:
                 if exc.rejection.reason != "queue_full":
                     if count_refusal:
-                        engine.refused(engine.scheduler.resolve_level(request.priority))
+                        engine.refused(engine.scheduler.resolve_level(request.priority), request.tenant)
                     raise
         return order[-1].submit(request, count_refusal=count_refusal)
 
-    def refused(self, level: int = 0) -> None:
-        self.instances[0].refused(level)
+    def refused(self, level: int = 0, tenant: str = DEFAULT_TENANT) -> None:
+        self.instances[0].refused(level, tenant)
 
     async def drain(self) -> None:
         await asyncio.gather(*(engine.drain() for engine in self.instances))

@@ -22,11 +22,21 @@ preemption victim):
   as for `priority` bounds how long a long prompt can be passed over.
 A preempted sequence goes before the others of its rank (a bounded boost).
 
+Tenants share a level by weight with virtual token counters (VTC, Sheng et al. 2024), the same mechanism as the V2
+scheduler's: each tenant has a counter per level (under `fcfs`, one for the whole queue); every step adds the tokens it
+computed for a tenant's sequences (prefill chunks and decodes, running ones included) / the tenant's weight; waiting
+sequences of a rank are taken from the tenant with the smallest counter (advanced by each one's prompt as the order is
+built), in the policy's order within a tenant. A tenant with nothing waiting at a level that queues there again is
+lifted to the smallest counter of those waiting there (nobody waiting: the counters are forgotten), so idle time is
+never banked as credit. Boosted sequences still go first, and aged ones before every level (shared fairly too). With
+one tenant waiting, the order is the policy's alone.
+
 Admission at arrival predicts the time to the first token: the prefill tokens of the waiting sequences the policy
 puts before this one (and what running sequences still have to prefill) plus its own, at the measured prefill rate,
 plus a step; a request that cannot make its first-token deadline (its `timeout`, or its level's default timeout) is
-refused before any token (the pipeline then overflows or refuses it). The time estimates come from a `Rates` the
-engine refines with every step it runs.
+refused before any token (the pipeline then overflows or refuses it). The prediction counts, of the waiting sequences
+of other tenants at its rank, at most their weighted share of its own tenant's waiting prompt tokens and its own. The
+time estimates come from a `Rates` the engine refines with every step it runs.
 """
 
 from __future__ import annotations
@@ -34,11 +44,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from edge_agent.generation.blocks import BlockManager
-from edge_agent.scheduling.core import LevelPolicy, Rejection, resolve_level
+from edge_agent.scheduling.core import LevelPolicy, Rejection, check_weights, fair_merge, resolve_level
+from spillway.contract.tenants import DEFAULT_TENANT
 
 __all__ = ["QUEUE_POLICIES", "GenerationConfig", "GenerationScheduler", "QueueOrder", "Rates", "Sequence", "StepPlan"]
 
@@ -112,6 +124,7 @@ class Sequence:
     state: Literal["waiting", "running", "finished"] = "waiting"
     preemptions: int = 0
     boosted: int = 0
+    tenant: str = DEFAULT_TENANT  # whose request it is: tenants share a level by weight
 
     @property
     def to_prefill(self) -> int:
@@ -202,6 +215,35 @@ class GenerationScheduler:
         self._ids = itertools.count(1)
         self.preemptions = 0
         self._draining = False
+        # Fair share: per bucket (a level, or 0 for the one queue of a policy that does not rank levels) each tenant's
+        # virtual token counter, and how many sequences each tenant has waiting there (the backlogged tenants).
+        self._weights: dict[str, float] = {}  # a tenant not in it has weight 1
+        self._served: list[dict[str, float]] = [{} for _ in range(config.levels + 1)]
+        self._backlog: list[dict[str, int]] = [{} for _ in range(config.levels + 1)]
+
+    # ---- fair share ------------------------------------------------------------------------------------------------
+
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """The tenants' weights from now on (a tenant left out has weight 1). The engine calls this under its lock."""
+        self._weights = check_weights(weights)
+
+    def weight(self, tenant: str) -> float:
+        return self._weights.get(tenant, 1.0)
+
+    def tenant_depth(self) -> dict[str, int]:
+        """Sequences waiting per tenant (the tenants with none are left out)."""
+        depth: dict[str, int] = {}
+        for backlog in self._backlog:
+            for tenant, count in backlog.items():
+                depth[tenant] = depth.get(tenant, 0) + count
+        return depth
+
+    def _bucket(self, sequence: Sequence) -> int:
+        return sequence.level if self.order.ranks_levels else 0
+
+    def _charge(self, sequence: Sequence, tokens: int) -> None:
+        served = self._served[self._bucket(sequence)]
+        served[sequence.tenant] = served.get(sequence.tenant, 0.0) + tokens / self.weight(sequence.tenant)
 
     # ---- limits ----------------------------------------------------------------------------------------------------
 
@@ -232,10 +274,12 @@ class GenerationScheduler:
         """Sequences waiting at one level (1 the highest): the queue depth per level."""
         return self._per_level[level - 1]
 
-    def predict_first_token_s(self, level: int, prompt: int, now: float | None = None) -> float:
+    def predict_first_token_s(self, level: int, prompt: int, now: float | None = None,
+                              tenant: str = DEFAULT_TENANT) -> float:  # fmt: skip
         """Seconds from `now` to a new request's first token. Two things hold it back:
         - the prefill of the waiting sequences the policy puts before it, and what running ones still have to
-          prefill, at the measured prefill rate;
+          prefill, at the measured prefill rate (of other tenants' waiting at its rank, those within their weighted
+          share of its own tenant's prompt tokens before it and its own: fair share takes them before it);
         - a free place among `max_num_seqs`: running sequences it cannot preempt keep theirs until they end (taken
           as their `max_tokens`, so EOS can only make it earlier), and the waiting ones before it take places first.
         The two add up (the prefill ahead runs in the steps it waits through); under a policy that ranks levels the
@@ -243,9 +287,12 @@ class GenerationScheduler:
         they arrive: a wait that is 40 % theirs lasts 1 / 0.6 as long). Then its own prefill and a step. Sequences
         that will age past it are not foreseen."""
         probe = Sequence(prompt=prompt, max_tokens=1, level=level, arrival=math.inf if now is None else now,
-                         id=1 << 62)  # fmt: skip
+                         id=1 << 62, tenant=tenant)  # fmt: skip
         mine = self.order.key(probe, now)
-        keyed = sorted((key, s.id, s) for s in self._waiting if (key := self.order.key(s, now)) < mine)
+        if any(t != tenant for t in self._backlog[self._bucket(probe)]):
+            keyed = self._shared_ahead(probe, mine, now)
+        else:  # no other tenant waits at its rank (the usual case): the policy's order alone
+            keyed = sorted((key, s.id, s) for s in self._waiting if (key := self.order.key(s, now)) < mine)
         ahead = [s for _, _, s in keyed]  # in the order they will be served: each key computed once
         prefill_ahead = sum(s.to_prefill for s in ahead) + sum(s.to_prefill for s in self.running)
         rates, chunk = self.rates, self.config.long_prefill_threshold
@@ -264,6 +311,47 @@ class GenerationScheduler:
             wait_s /= max(1.0 - sum(self._level_share[: mine_level - 1]), 0.1)  # the steps stretches the wait
         return wait_s + prompt / rates.prefill_tokens_per_s + rates.step_s
 
+    def _shared_ahead(
+        self, probe: Sequence, mine: tuple[float, ...], now: float | None
+    ) -> list[tuple[Any, int, Sequence]]:
+        """The waiting sequences served before `probe` under fair share, keyed and sorted: those the policy puts
+        before its rank, and at its rank, its own tenant's before it and, of each other tenant's (in the policy's
+        order), those that start within its weighted share: (own prompt tokens before it + its own) * w_other / w_own.
+        """
+        group = self._group(probe, now)
+        keyed: list[tuple[Any, int, Sequence]] = []
+        others: dict[str, list[tuple[Any, int, Sequence]]] = {}
+        own = 0
+        for s in self._waiting:
+            key = self.order.key(s, now)
+            if s.tenant != probe.tenant and not s.boosted and self._group(s, now) == group:
+                others.setdefault(s.tenant, []).append((key, s.id, s))
+            elif key < mine:
+                keyed.append((key, s.id, s))
+                if s.tenant == probe.tenant and not s.boosted and self._group(s, now) == group:
+                    own += s.to_prefill
+        share = (own + probe.prompt) / self.weight(probe.tenant)
+        for tenant, theirs in others.items():
+            cap, taken = share * self.weight(tenant), 0
+            for entry in sorted(theirs):
+                if taken >= cap:
+                    break
+                keyed.append(entry)
+                taken += max(entry[2].to_prefill, 1)
+        keyed.sort()
+        return keyed
+
+    def _one_tenant_per_rank(self) -> bool:
+        """Whether no rank has sequences of two tenants waiting: one tenant in all, or one per level without aging
+        (aged sequences of several levels make one rank)."""
+        if all(len(backlog) < 2 for backlog in self._backlog) and self.config.aging_s is None:
+            return True
+        return len(set().union(*self._backlog)) < 2
+
+    def _group(self, sequence: Sequence, now: float | None) -> int:
+        """The rank fair share works within: its level (0 once aged), or one for all under a policy without levels."""
+        return self.order.level(sequence, now) if self.order.ranks_levels else 0
+
     @staticmethod
     def _steps_left(sequence: Sequence, chunk: int) -> int:
         """Steps a sequence still holds its place for, at most: its prompt's chunks, then a token a step."""
@@ -279,32 +367,50 @@ class GenerationScheduler:
         if self.blocks.blocks_for(sequence.prompt + sequence.max_tokens) > self.blocks.total:
             raise ValueError(f"{sequence.prompt + sequence.max_tokens} tokens need more KV blocks than the budget "
                              f"holds ({self.blocks.total} of {self.blocks.block_size} tokens)")  # fmt: skip
+        tenant = sequence.tenant
         if self.waiting >= self.config.max_waiting:
-            return Rejection("queue_full", f"{self.waiting} sequences are waiting already", self._retry_after(now))
+            return Rejection("queue_full", f"{self.waiting} sequences are waiting already",
+                             self._retry_after(now, tenant))  # fmt: skip
         cap = self.config.level_policy(sequence.level).max_queue_size
         if cap and self._per_level[sequence.level - 1] >= cap:
             return Rejection("queue_full", f"{cap} sequences are waiting at level {sequence.level} already",
-                             self._retry_after(now))  # fmt: skip
+                             self._retry_after(now, tenant))  # fmt: skip
         if sequence.deadline is not None and self.config.level_policy(sequence.level).timeout_action == "REJECT":
-            predicted = self.predict_first_token_s(sequence.level, sequence.prompt, now)
+            predicted = self.predict_first_token_s(sequence.level, sequence.prompt, now, tenant)
             if now + predicted > sequence.deadline:
                 budget_ms = (sequence.deadline - now) * 1e3
                 return Rejection("deadline_unmeetable", f"predicted first token in {predicted * 1e3:.1f} ms exceeds "
-                                 f"the {budget_ms:.1f} ms deadline", self._retry_after(now))  # fmt: skip
+                                 f"the {budget_ms:.1f} ms deadline", self._retry_after(now, tenant))  # fmt: skip
         sequence.id = next(self._ids)
         self._enqueue(sequence)
         return None
 
-    def _retry_after(self, now: float) -> float:
-        return max(1.0, math.ceil(self.predict_first_token_s(self.config.levels, 0, now)))
+    def _retry_after(self, now: float, tenant: str) -> float:
+        return max(1.0, math.ceil(self.predict_first_token_s(self.config.levels, 0, now, tenant)))
 
     def _enqueue(self, sequence: Sequence) -> None:
         self._waiting.append(sequence)
         self._per_level[sequence.level - 1] += 1
+        bucket, tenant = self._bucket(sequence), sequence.tenant
+        backlog = self._backlog[bucket]
+        waiting = backlog.get(tenant, 0)
+        if not waiting:  # it was not waiting here: lifted to the smallest counter of those waiting (no banked credit)
+            served = self._served[bucket]
+            if backlog:
+                floor = min(served.get(t, 0.0) for t in backlog)
+                served[tenant] = max(served.get(tenant, 0.0), floor)
+            else:  # nobody waits here: the counters are forgotten
+                served.clear()
+                served[tenant] = 0.0
+        backlog[tenant] = waiting + 1
 
     def _dequeue(self, sequence: Sequence) -> None:
         self._waiting.remove(sequence)
         self._per_level[sequence.level - 1] -= 1
+        backlog = self._backlog[self._bucket(sequence)]
+        backlog[sequence.tenant] -= 1
+        if not backlog[sequence.tenant]:
+            del backlog[sequence.tenant]
 
     # ---- a step ----------------------------------------------------------------------------------------------------
 
@@ -365,7 +471,25 @@ class GenerationScheduler:
         """Running sequences partly prefilled first (they hold blocks), then waiting ones in the policy's order
         (boosted, preempted ones before the rest of their rank)."""
         partial = [s for s in self.running if s.to_prefill > 0]
-        return partial + sorted(self._waiting, key=lambda s: self.order.key(s, now))
+        ordered = sorted(self._waiting, key=lambda s: self.order.key(s, now))
+        if self._one_tenant_per_rank():  # the policy's order alone (the usual case)
+            return partial + ordered
+        fair: list[Sequence] = []
+        for _, same in itertools.groupby(ordered, key=lambda s: self._group(s, now)):
+            rank = list(same)
+            tenants: dict[str, list[Sequence]] = {}
+            for sequence in rank:
+                if sequence.boosted:  # the key puts them first in their rank: they stay first
+                    fair.append(sequence)
+                else:
+                    tenants.setdefault(sequence.tenant, []).append(sequence)
+            if len(tenants) < 2:
+                fair.extend(s for s in rank if not s.boosted)
+                continue
+            streams = [(self._served[self._bucket(queued[0])].get(t, 0.0), self.weight(t), queued)
+                       for t, queued in tenants.items()]  # fmt: skip
+            fair.extend(fair_merge(streams, _prompt_cost, _admitted))
+        return partial + fair
 
     def _victim(self, below: int | None = None, now: float | None = None) -> Sequence | None:
         """The running sequence to preempt: the lowest rank (by default the lowest priority, latest arrival; one that
@@ -394,8 +518,10 @@ class GenerationScheduler:
             tokens = [0] * self.config.levels
             for sequence in plan.decode:
                 tokens[sequence.level - 1] += 1
+                self._charge(sequence, 1)
             for sequence, chunk in plan.prefill:
                 tokens[sequence.level - 1] += chunk
+                self._charge(sequence, chunk)
             for i, count in enumerate(tokens):
                 self._level_share[i] += SHARE_ALPHA * (count / plan.tokens - self._level_share[i])
         for sequence, chunk in plan.prefill:
@@ -424,3 +550,11 @@ class GenerationScheduler:
     @property
     def idle(self) -> bool:
         return not self.running and self.waiting == 0
+
+
+def _prompt_cost(sequence: Sequence) -> float:
+    return max(sequence.to_prefill, 1)
+
+
+def _admitted(sequence: Sequence) -> float:
+    return sequence.id

@@ -13,18 +13,32 @@ max batch size. It leaves (first that holds):
      left of the window, come to less than one request, or the current burst went quiet.
 In cases 3-5 everything pending leaves. While every instance is busy nothing leaves; the queue itself is
 then where the next batch forms, so under load batches are as large as the queue allows.
+
+Within a level, the tenants that have requests queued there share it by weight, with virtual served-work counters
+(VTC, Sheng et al. 2024): each tenant has a counter per level; a batch taken adds each request's rows / its tenant's
+weight to its tenant's counter; the batch is filled from the tenant with the smallest counter (as the batch's rows
+advance it), FIFO within a tenant. A tenant whose queue at a level was empty is lifted to the smallest counter of the
+tenants queued there, so idle time is never banked as credit (and a level with nobody queued forgets its counters).
+Over a busy period each backlogged tenant gets rows in proportion to its weight, however much more another sends.
+When every request is one tenant's the order is FIFO, as before. Aged requests (`aging_s`) go before every level,
+shared between their tenants the same way. Admission's prediction counts, at the request's level, its own tenant's
+queued rows and, of each other tenant queued there, no more than its weighted share of as many.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from spillway.contract.spec import DynamicBatching
+from spillway.contract.tenants import DEFAULT_TENANT
+
+T = TypeVar("T")
 
 
 class Predictor(Protocol):
@@ -110,6 +124,7 @@ class Pending:
     seq: int = 0
     timeout_action: Literal["REJECT", "DELAY"] = "REJECT"
     shape: Hashable = None  # only requests of equal shape (beyond the batch dimension) share a batch
+    tenant: str = DEFAULT_TENANT  # whose request it is: tenants share a level by weight
 
 
 @dataclass(frozen=True)
@@ -137,11 +152,87 @@ class Step:
     wake_at: float | None = None
 
 
+def check_weights(weights: Mapping[str, float]) -> dict[str, float]:
+    """Tenants' weights as the schedulers keep them (a tenant left out has weight 1); ValueError for one that is not
+    a finite number > 0."""
+    checked: dict[str, float] = {}
+    for tenant, weight in weights.items():
+        value = float(weight)
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"tenant {tenant!r}: weight must be a finite number > 0, got {weight!r}")
+        checked[tenant] = value
+    return checked
+
+
+def fair_merge(
+    streams: Iterable[tuple[float, float, Iterable[T]]], cost: Callable[[T], float], tiebreak: Callable[[T], float]
+) -> Iterator[T]:
+    """The items of several streams (one per tenant: its served-work counter, its weight, its items in its own
+    order) in virtual served-work order: next, the head of the stream with the smallest counter (ties: the smaller
+    `tiebreak`), whose counter then advances by cost / weight. Lazy: taking k items costs O(k log streams)."""
+    heap: list[tuple[float, float, int, T, Iterator[T], float]] = []
+    for i, (counter, weight, items) in enumerate(streams):
+        rest = iter(items)
+        for head in rest:
+            heap.append((counter, tiebreak(head), i, head, rest, weight))
+            break
+    heapq.heapify(heap)
+    while heap:
+        counter, _, i, head, rest, weight = heap[0]
+        yield head
+        for following in rest:
+            heapq.heapreplace(heap, (counter + cost(head) / weight, tiebreak(following), i, following, rest, weight))
+            break
+        else:
+            heapq.heappop(heap)
+
+
+class _Queue(deque[Pending]):
+    """One tenant's queued requests at one level, FIFO, and their rows."""
+
+    rows = 0
+
+
 @dataclass
 class _Level:
     policy: LevelPolicy
-    queue: deque[Pending] = field(default_factory=deque)
+    # The queued requests per tenant; a tenant is here only while it has some (the backlogged ones).
+    queues: dict[str, _Queue] = field(default_factory=dict)
+    served: dict[str, float] = field(default_factory=dict)  # the tenants' virtual served-work counters
     rows: int = 0
+    count: int = 0
+
+    def push(self, request: Pending) -> None:
+        """Queue a request at the end of its tenant's queue."""
+        queue = self.queues.get(request.tenant)
+        if queue is None:
+            queue = self._backlogged(request.tenant)
+        queue.append(request)
+        queue.rows += request.rows
+        self.rows += request.rows
+        self.count += 1
+
+    def _backlogged(self, tenant: str) -> _Queue:
+        """A tenant with nothing queued here gets a queue, its counter lifted to the smallest of those queued here
+        (none: the level forgets its counters): idle time is never banked as credit."""
+        served = self.served
+        if self.queues:
+            floor = min(served[t] for t in self.queues)
+            served[tenant] = max(served.get(tenant, 0.0), floor)
+        else:
+            if served:
+                served.clear()
+            served[tenant] = 0.0
+        queue = self.queues[tenant] = _Queue()
+        return queue
+
+    def forget(self, request: Pending, queue: _Queue) -> None:
+        """Count a request out that left its tenant's `queue`."""
+        queue.rows -= request.rows
+        self.rows -= request.rows
+        self.count -= 1
+        if not queue:
+            del self.queues[request.tenant]
 
 
 class Scheduler:
@@ -152,6 +243,7 @@ class Scheduler:
         self.base_config = config  # as the model's configuration says; `retune` changes `config` relative to it
         self.predictor = predictor
         self._levels = [_Level(p) for p in config.levels]
+        self._weights: dict[str, float] = {}  # a tenant not in it has weight 1
         self._queued = 0
         self._seq = itertools.count(1)
         self._batch_ids = itertools.count(1)
@@ -175,9 +267,22 @@ class Scheduler:
         """The request's deadline from its `timeout` and its level's policy (override only to shorten)."""
         return self._levels[level - 1].policy.deadline(now, timeout_s)
 
-    def predict_completion(self, level: int, rows: int, now: float) -> float:
-        """Seconds from now until a new request at `level` would be answered, with what is queued and running."""
-        ahead = sum(lv.rows for lv in self._levels[:level])
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """The tenants' weights from now on (a tenant left out has weight 1): the next batches share by them."""
+        self._weights = check_weights(weights)
+
+    def weight(self, tenant: str) -> float:
+        return self._weights.get(tenant, 1.0)
+
+    def predict_completion(self, level: int, rows: int, now: float, tenant: str = DEFAULT_TENANT) -> float:
+        """Seconds from now until a new request of `tenant` at `level` would be answered, with what is queued and
+        running: every row of the higher levels, and at its own level its tenant's queued rows and, of each other
+        tenant queued there, at most its weighted share of as many (own queued + this) * w_other / w_own."""
+        queues = self._levels[level - 1].queues
+        if len(queues) < 2 and (tenant in queues or not queues):  # none queued, or only its tenant: FIFO
+            ahead = sum(lv.rows for lv in self._levels[:level])
+        else:
+            ahead = sum(lv.rows for lv in self._levels[: level - 1]) + self._share_ahead(level, tenant, rows)
         busy = sorted(max(0.0, b.started + b.predicted_s - now) for b in self._running.values())
         free_at = 0.0 if len(busy) < self.config.instances else busy[0]
         size = self.config.max_batch_size
@@ -194,24 +299,22 @@ class Scheduler:
         if not 1 <= request.rows <= self.config.max_batch_size:
             raise ValueError(f"a request of {request.rows} rows does not fit a batch of {self.config.max_batch_size}")
         level = self._levels[request.level - 1]
-        full_level = 0 < level.policy.max_queue_size <= len(level.queue)
+        full_level = 0 < level.policy.max_queue_size <= level.count
         if full_level or self._queued >= self.config.max_queued_requests:
-            return Rejection(
-                "queue_full", f"priority {request.level} queue is full", self._retry_after(request.level, now)
-            )
+            return Rejection("queue_full", f"priority {request.level} queue is full",
+                             self._retry_after(request.level, now, request.tenant))  # fmt: skip
         if request.deadline is not None and level.policy.timeout_action == "REJECT":
-            predicted = self.predict_completion(request.level, request.rows, now)
+            predicted = self.predict_completion(request.level, request.rows, now, request.tenant)
             if now + predicted > request.deadline and not self._recheck(now):
                 budget_ms = (request.deadline - now) * 1e3
                 return Rejection(
                     "deadline_unmeetable",
                     f"predicted completion in {predicted * 1e3:.1f} ms exceeds the {budget_ms:.1f} ms deadline",
-                    self._retry_after(request.level, now),
+                    self._retry_after(request.level, now, request.tenant),
                 )
         request.seq = next(self._seq)
         request.timeout_action = level.policy.timeout_action
-        level.queue.append(request)
-        level.rows += request.rows
+        level.push(request)
         self._queued += 1
         if self._waiting_since is not None:
             self._waiting_seen += 1
@@ -238,8 +341,17 @@ class Scheduler:
         queued_batches = self._queued / self.config.max_batch_size
         return (len(self._running) + queued_batches) / self.config.instances
 
-    def _retry_after(self, level: int, now: float) -> float:
-        return max(1.0, math.ceil(self.predict_completion(level, 0, now)))
+    def _retry_after(self, level: int, now: float, tenant: str) -> float:
+        return max(1.0, math.ceil(self.predict_completion(level, 0, now, tenant)))
+
+    def _share_ahead(self, at: int, tenant: str, rows: int) -> int:
+        """Rows queued at level `at` that a new request of `tenant` (of `rows` rows) would wait for: its tenant's and,
+        of each other tenant's, at most its weighted share of as many."""
+        level = self._levels[at - 1]
+        own = level.queues[tenant].rows if tenant in level.queues else 0
+        share = (own + rows) / self.weight(tenant)
+        others = sum(min(q.rows, share * self.weight(t)) for t, q in level.queues.items() if t != tenant)
+        return own + math.ceil(others - 1e-9)
 
     # ---- batching ----------------------------------------------------------------------------
 
@@ -255,7 +367,7 @@ class Scheduler:
                 wake_at = wake
                 break
             dispatch.append(self._take(send, sum(r.rows for r in send), now))
-        deadlines = [r.deadline for lv in self._levels for r in lv.queue if r.deadline is not None]
+        deadlines = [r.deadline for lv in self._levels for q in lv.queues.values() for r in q if r.deadline is not None]
         if deadlines:
             first = min(deadlines)
             wake_at = first if wake_at is None else min(wake_at, first)
@@ -269,34 +381,55 @@ class Scheduler:
     def _expire(self, now: float) -> list[Pending]:
         expired: list[Pending] = []
         for level in self._levels:
-            if not any(r.deadline is not None and r.deadline <= now for r in level.queue):
-                continue
-            keep: deque[Pending] = deque()
-            delayed: list[Pending] = []
-            for req in level.queue:
-                if req.deadline is None or req.deadline > now:
-                    keep.append(req)
-                elif req.timeout_action == "DELAY":
-                    req.deadline = None  # Triton's DELAY: still served, after its level's live requests
-                    delayed.append(req)
-                else:
-                    expired.append(req)
-                    level.rows -= req.rows
-                    self._queued -= 1
-            keep.extend(delayed)
-            level.queue = keep
+            for queue in level.queues.values():
+                if any(r.deadline is not None and r.deadline <= now for r in queue):
+                    break
+            else:
+                continue  # nothing expired at this level (the usual case)
+            for tenant, queue in list(level.queues.items()):
+                if not any(r.deadline is not None and r.deadline <= now for r in queue):
+                    continue
+                keep = _Queue()
+                delayed: list[Pending] = []
+                gone: list[Pending] = []
+                for req in queue:
+                    if req.deadline is None or req.deadline > now:
+                        keep.append(req)
+                    elif req.timeout_action == "DELAY":
+                        req.deadline = None  # Triton's DELAY: still served, after its tenant's live requests
+                        delayed.append(req)
+                    else:
+                        gone.append(req)
+                keep.extend(delayed)
+                gone_rows = sum(r.rows for r in gone)
+                keep.rows = queue.rows - gone_rows
+                level.rows -= gone_rows
+                level.count -= len(gone)
+                if keep:
+                    level.queues[tenant] = keep
+                else:  # every request of this tenant at this level expired at once
+                    del level.queues[tenant]
+                self._queued -= len(gone)
+                expired += gone
         return expired
 
     def _candidate(self, now: float) -> tuple[list[Pending], int, bool]:
-        """Highest levels first, FIFO within a level, whole requests of one shape, up to max batch rows.
+        """Highest levels first, fair share between tenants within a level (FIFO within a tenant), whole requests of
+        one shape, up to max batch rows.
 
         The flag says the batch is closed: the next queued request cannot join it, so waiting cannot grow it.
         """
-        order: Iterable[Pending] = (r for lv in self._levels for r in lv.queue)
-        if self.config.aging_s is not None:
-            aged = [r for lv in self._levels[1:] for r in lv.queue if now - r.arrival >= self.config.aging_s]
+        order: Iterable[Pending]
+        if any(len(lv.queues) > 1 for lv in self._levels):
+            order = itertools.chain.from_iterable(map(self._level_order, self._levels))
+        else:  # one tenant queued per level (the usual case): FIFO
+            order = (r for lv in self._levels for q in lv.queues.values() for r in q)
+        aging = self.config.aging_s
+        if aging is not None:
+            aged = [r for lv in self._levels[1:] for q in lv.queues.values() for r in q if now - r.arrival >= aging]
             if aged:
-                order = itertools.chain(sorted(aged, key=lambda r: r.seq), (r for r in order if r not in aged))
+                aged_ids = set(map(id, aged))
+                order = itertools.chain(self._aged_order(aged), (r for r in order if id(r) not in aged_ids))
         chosen: list[Pending] = []
         rows = 0
         for req in order:
@@ -307,6 +440,26 @@ class Scheduler:
             if rows == self.config.max_batch_size or not self.config.merge:
                 return chosen, rows, True
         return chosen, rows, False
+
+    def _level_order(self, level: _Level) -> Iterable[Pending]:
+        """A level's requests in the order they are served: FIFO when one tenant is queued, else fair share."""
+        if len(level.queues) < 2:
+            return next(iter(level.queues.values()), ())
+        streams = [(level.served[t], self.weight(t), queue) for t, queue in level.queues.items()]
+        return fair_merge(streams, _rows, _seq)
+
+    def _aged_order(self, aged: list[Pending]) -> Iterable[Pending]:
+        """Aged requests (of any level but the first), oldest first, shared fairly when several tenants have some
+        (each from its counter at the level of its oldest aged request)."""
+        aged = sorted(aged, key=_seq)
+        tenants: dict[str, list[Pending]] = {}
+        for req in aged:
+            tenants.setdefault(req.tenant, []).append(req)
+        if len(tenants) == 1:
+            return aged
+        streams = [(self._levels[reqs[0].level - 1].served.get(t, 0.0), self.weight(t), reqs)
+                   for t, reqs in tenants.items()]  # fmt: skip
+        return fair_merge(streams, _rows, _seq)
 
     def _preferred_prefix(self, chosen: list[Pending]) -> int:
         """How many requests make the largest prefix whose rows are exactly a preferred batch size (0: none)."""
@@ -359,11 +512,15 @@ class Scheduler:
                 a = self.config.wait_gain_alpha
                 self._wait_rate = rate if self._wait_rate is None else (1 - a) * self._wait_rate + a * rate
             self._waiting_since = None
-        taken = set(map(id, chosen))
-        for level in self._levels:
-            if any(id(r) in taken for r in level.queue):
-                level.queue = deque(r for r in level.queue if id(r) not in taken)
-                level.rows = sum(r.rows for r in level.queue)
+        for req in chosen:  # each leaves its tenant's queue (at its head, but for aged and delayed ones)
+            level = self._levels[req.level - 1]
+            queue = level.queues[req.tenant]
+            if queue[0] is req:
+                queue.popleft()
+            else:
+                queue.remove(req)
+            level.forget(req, queue)
+            level.served[req.tenant] = level.served.get(req.tenant, 0.0) + req.rows / self.weight(req.tenant)
         self._queued -= len(chosen)
         batch = Batch(next(self._batch_ids), tuple(chosen), rows, now, self.predictor.predict(rows))
         self._running[batch.id] = batch
@@ -400,8 +557,24 @@ class Scheduler:
 
     def depth(self) -> list[int]:
         """Queued requests per level (index 0 = priority 1)."""
-        return [len(lv.queue) for lv in self._levels]
+        return [lv.count for lv in self._levels]
+
+    def tenant_depth(self) -> dict[str, int]:
+        """Queued requests per tenant (the tenants with none are left out)."""
+        depth: dict[str, int] = {}
+        for level in self._levels:
+            for tenant, queue in level.queues.items():
+                depth[tenant] = depth.get(tenant, 0) + len(queue)
+        return depth
 
     @property
     def wait_rate(self) -> float | None:
         return self._wait_rate
+
+
+def _rows(request: Pending) -> float:
+    return request.rows
+
+
+def _seq(request: Pending) -> float:
+    return request.seq
