@@ -24,6 +24,8 @@ from edge_agent.generation.scheduler import GenerationConfig, GenerationSchedule
 from edge_agent.generation.text import TextCodec
 from edge_agent.runtime import gpu
 from edge_agent.runtime.config import ModelConfigError
+from edge_agent.runtime.devices import MemoryProbe, default_probe
+from edge_agent.runtime.memory import GPU_MEM_LIMIT, MemoryGuard, model_gpu_mem_limit
 from edge_agent.runtime.runner import PREFERRED_PROVIDERS, RunnerError, choose_providers, provider_options
 from edge_agent.scheduling.core import LevelPolicy, level_policies
 from spillway.contract.spec import DynamicBatching, ModelConfig
@@ -38,17 +40,18 @@ def generation_settings(agent: GenerationSettings, model: ModelConfig | None) ->
     if model is None:
         return agent
     fields = GenerationSettings.model_fields
-    for key in model.parameters:
+    parameters = {key: value for key, value in model.parameters.items() if key != GPU_MEM_LIMIT}  # memory.py's
+    for key in parameters:
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ModelConfigError(f"{model.source}: parameters[{key!r}]: not a generation setting; {hint}"
                                    f"one of {sorted(fields)}")  # fmt: skip
-    merged: dict[str, object] = {**agent.model_dump(), **model.parameters}
+    merged: dict[str, object] = {**agent.model_dump(), **parameters}
     batching = model.dynamic_batching
     if batching is not None and batching.priority_levels:
         for key in ("levels", "default_level"):
-            if key in model.parameters:
+            if key in parameters:
                 raise ModelConfigError(f"{model.source}: parameters[{key!r}]: dynamic_batching.priority_levels sets "
                                        "the levels already; keep one")  # fmt: skip
         merged["levels"], merged["default_level"] = batching.priority_levels, batching.default_priority_level
@@ -65,7 +68,8 @@ def generation_settings(agent: GenerationSettings, model: ModelConfig | None) ->
 
 def load_engine(name: str, folder: Path, agent_settings: GenerationSettings, *, model: ModelConfig | None = None,
                 threads: int = 0, free_bytes: int | None = None, providers: Sequence[str] | None = None,
-                device_id: int = 0, gpu_mem_limit: int | None = None) -> EnginePool:  # fmt: skip
+                device_id: int = 0, gpu_mem_limit: int | None = None,
+                memory: MemoryGuard | None = None) -> EnginePool:  # fmt: skip
     """The engines of the model in `folder` (one version's directory): one per instance (its config's
     `instance_group` count; one without a config), each with its own session and an even share of the KV budget,
     with the agent config's `generation` settings and what its model config says instead; raises ModelConfigError
@@ -73,12 +77,17 @@ def load_engine(name: str, folder: Path, agent_settings: GenerationSettings, *, 
 
     Providers: the agent's `providers` where given, else CUDA then CPU, whichever is installed (not TensorRT by
     default: a decoder's shapes change at every step, and each new shape would build a TensorRT engine). On a GPU
-    provider the KV budget's share is of the GPU's free memory (NVML), else of the host's (MemAvailable; a Jetson's
-    GPU shares it)."""
+    provider the KV budget's share is of the GPU's free memory, else of the host's (MemAvailable; a Jetson's GPU
+    shares it). Each session's CUDA arena is capped by the model config's `gpu_mem_limit` parameter, else by
+    `gpu_mem_limit` (the agent's). With `memory` (the agent's guard), the load is first checked against the device's
+    free memory, the cap and the agent's GPU budget (GpuMemoryError, HostMemoryError), with the weights' need as
+    measured at an earlier load (else estimated from the files) plus the KV budget, and what it takes is measured,
+    remembered and held against the budget by the pool returned (release it through the guard when it unloads)."""
     settings = generation_settings(agent_settings, model)
     batching = None if model is None else model.dynamic_batching
     count = 1 if model is None else model.instance_count
-    chosen = _providers(providers, device_id, gpu_mem_limit)
+    cap, cap_source = model_gpu_mem_limit(model, gpu_mem_limit)
+    chosen = _providers(providers, device_id, cap)
     try:
         config = DecoderConfig.load(folder)
         text = TextCodec.load(folder)  # shared: the engines only read it, each stream detokenizes on its own
@@ -88,25 +97,54 @@ def load_engine(name: str, folder: Path, agent_settings: GenerationSettings, *, 
                             long_prefill_threshold=settings.long_prefill_threshold, levels=settings.levels,
                             default_level=settings.default_level, queue_policy=settings.queue_policy,
                             aging_s=settings.aging_s, level_policies=_levels(batching, settings.levels))  # fmt: skip
-    engines = []
-    for index in range(count):
+    probe = memory.probe if memory is not None else default_probe()
+
+    def build() -> tuple[EnginePool, int]:
+        engines, kv_bytes = [], 0
+        for index in range(count):
+            try:
+                runner = DecoderRunner(config, threads=threads, providers=chosen)
+                free = free_bytes if free_bytes is not None else probe.read(device_id, gpu=_on_gpu(runner)).free
+                budget = None if settings.kv_budget_bytes is None else settings.kv_budget_bytes // count
+                share = None if budget else settings.kv_budget_share / count
+                blocks = blocks_for_budget(runner.kv, settings.block_size, context=config.context,
+                                           budget_bytes=budget, share=share, free_bytes=free)  # fmt: skip
+                _check_working_memory(runner, blocks * settings.block_size, free, cap)
+            except (KvBudgetError, ValueError) as exc:
+                raise ModelConfigError(f"generative model {name!r}: {exc}") from None
+            kv_bytes += blocks * settings.block_size * runner.kv.bytes_per_token
+            scheduler = GenerationScheduler(plan, BlockManager(blocks, settings.block_size))
+            log.info("generative model %s instance %d of %d on %s: %d KV blocks of %d tokens (%d bytes a token), "
+                     "context %d", name, index + 1, count, runner.session.get_providers()[0], blocks,
+                     settings.block_size, runner.kv.bytes_per_token, config.context)  # fmt: skip
+            engines.append(GenerationEngine(name, runner, text, scheduler, context=config.context,
+                                            eos=config.eos_ids, version=folder.name))  # fmt: skip
+        pool = EnginePool(engines, default_max_tokens=settings.default_max_tokens,
+                          fallback_text=settings.fallback_text)  # fmt: skip
+        return pool, kv_bytes
+
+    if memory is None:
+        return build()[0]
+    gpu_session = any((p if isinstance(p, str) else p[0]) in gpu.GPU_PROVIDERS for p in chosen)
+    kv = _kv_estimate(settings, probe, device_id, gpu_session)
+    need = memory.need(name, folder.name, folder, placements=[device_id] * count, on_gpu=gpu_session, cap=cap,
+                       cap_source=cap_source, kv_bytes=kv)  # fmt: skip
+    with memory.loading(need) as loading:
+        pool, kv_bytes = build()
         try:
-            runner = DecoderRunner(config, threads=threads, providers=chosen)
-            free = free_bytes if free_bytes is not None else _free_memory(runner, device_id)
-            budget = None if settings.kv_budget_bytes is None else settings.kv_budget_bytes // count
-            blocks = blocks_for_budget(runner.kv, settings.block_size, context=config.context, budget_bytes=budget,
-                                       share=None if budget else settings.kv_budget_share / count,
-                                       free_bytes=free)  # fmt: skip
-            _check_working_memory(runner, blocks * settings.block_size, free, gpu_mem_limit)
-        except (KvBudgetError, ValueError) as exc:
-            raise ModelConfigError(f"generative model {name!r}: {exc}") from None
-        scheduler = GenerationScheduler(plan, BlockManager(blocks, settings.block_size))
-        log.info("generative model %s instance %d of %d on %s: %d KV blocks of %d tokens (%d bytes a token), "
-                 "context %d", name, index + 1, count, runner.session.get_providers()[0], blocks, settings.block_size,
-                 runner.kv.bytes_per_token, config.context)  # fmt: skip
-        engines.append(GenerationEngine(name, runner, text, scheduler, context=config.context, eos=config.eos_ids,
-                                        version=folder.name))  # fmt: skip
-    return EnginePool(engines, default_max_tokens=settings.default_max_tokens, fallback_text=settings.fallback_text)
+            loading.done(pool, kv_bytes=kv_bytes)
+        except BaseException:
+            pool.close()
+            raise
+    return pool
+
+
+def _kv_estimate(settings: GenerationSettings, probe: MemoryProbe, device_id: int, on_gpu: bool) -> int:
+    """The KV budget before the load: its bytes, else its share of the memory free now (0 where that is unknown)."""
+    if settings.kv_budget_bytes is not None:
+        return settings.kv_budget_bytes
+    free = probe.read(device_id, gpu=on_gpu).free
+    return 0 if free is None else int(free * settings.kv_budget_share)
 
 
 # Beside the blocks in use, a decode step holds the batch fed as the past, the present coming back (one token
@@ -150,14 +188,3 @@ def _providers(requested: Sequence[str] | None, device_id: int,
 def _on_gpu(runner: DecoderRunner) -> bool:
     """Whether the session runs on a GPU: the provider onnxruntime put first is one of them."""
     return runner.session.get_providers()[0] in gpu.GPU_PROVIDERS
-
-
-def _free_memory(runner: DecoderRunner, device_id: int) -> int | None:
-    """Free bytes where the KV cache will live: the GPU's when the session runs on one, else the host's."""
-    from edge_agent.runtime.memory import available_host_memory
-
-    if _on_gpu(runner):
-        free = gpu.free_gpu_memory(device_id)
-        if free is not None:
-            return free
-    return available_host_memory()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge_agent.runtime.memory import MemoryGuard
 from edge_agent.runtime.repository import UnknownModelError
 from edge_agent.scheduling.worker import ModelWorker
 from spillway.contract.spec import ModelConfig, ModelVersion
@@ -64,6 +65,9 @@ class ModelRegistry:
         # One change of the loaded versions at a time: a policy's (apply.py), a load's or an unload's (repository_api).
         self.changing = asyncio.Lock()
         self.source: ModelSource | None = None  # None: models cannot be loaded while the agent serves
+        # What the loaded versions hold against the agent's GPU budget; a version that has answered its queue and
+        # closed (`retired`) releases it.
+        self.memory: MemoryGuard | None = None
 
     def get(self, name: str, version: str | None = None) -> LoadedModel:
         """The loaded model a request for `name` (and `version`) is served by."""
@@ -143,7 +147,10 @@ class ModelRegistry:
         return model
 
     def retired(self, model: LoadedModel) -> None:
+        """A version taken out of routing has answered its queue and closed: its memory is free again."""
         self.retiring.remove(model)
+        if self.memory is not None:
+            self.memory.release(model)
 
     def install(self, models: list[LoadedModel], default: int, variant: int | None = None) -> list[LoadedModel]:
         """Serve `models`, every version of one model, in place of the versions loaded now (a reload), with `default`

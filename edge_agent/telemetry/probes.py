@@ -7,12 +7,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from edge_agent.runtime.devices import is_jetson, load_nvml, mig_devices, read_meminfo
 
 log = logging.getLogger("spillway.agent.telemetry")
 
@@ -80,34 +82,69 @@ class CpuUtilisation:
 
 
 class Nvml:
-    """GPU gauges through NVML (nvidia-ml-py, the `gpu` extra); nothing at all where it is missing."""
+    """GPU gauges through NVML (nvidia-ml-py, the `gpu` extra), per GPU and per MIG device of a GPU in MIG mode;
+    nothing at all where NVML is missing. A GPU's `hw.id` is its NVML index; a MIG device's is its UUID (`MIG-...`,
+    what CUDA_VISIBLE_DEVICES names it by), with `hw.parent` its GPU's index (OpenTelemetry's hardware conventions).
+    The memory gauges of a GPU in MIG mode are its MIG devices'; its utilisation and temperature are the GPU's (a MIG
+    device has none of its own). A device that cannot answer one reading is left out of that reading alone."""
 
-    def __init__(self) -> None:
+    def __init__(self, load: Callable[[], Any] = load_nvml) -> None:
         self.handles: list[tuple[str, Any]] = []
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            for index in range(pynvml.nvmlDeviceGetCount()):
-                self.handles.append((str(index), pynvml.nvmlDeviceGetHandleByIndex(index)))
-            self.nvml: Any = pynvml
+            nvml = load()
+            nvml.nvmlInit()
+            for index in range(nvml.nvmlDeviceGetCount()):
+                self.handles.append((str(index), nvml.nvmlDeviceGetHandleByIndex(index)))
+            self.nvml: Any = nvml
         except Exception:  # no library, no driver, no GPU: no GPU gauges
             self.handles = []
 
-    def memory(self, field: str) -> Iterable[Observation]:
+    def devices(self, *, mig: bool = True) -> Iterator[tuple[dict[str, str], Any]]:
+        """(attributes, handle) of each GPU or, with `mig`, in place of a GPU in MIG mode each of its MIG devices
+        (looked up at every reading: MIG devices are made and destroyed while the agent runs). In place of: the GPU's
+        own reading would count its MIG devices' memory a second time in a sum over devices."""
         for gpu_id, handle in self.handles:
+            slices = mig_devices(self.nvml, handle) if mig else []
+            if not slices:
+                yield {"hw.id": gpu_id, "hw.type": "gpu"}, handle
+            for uuid, device in slices:
+                yield {"hw.id": uuid, "hw.type": "gpu", "hw.parent": gpu_id}, device
+
+    def _each(self, read: Callable[[Any], float], *, mig: bool) -> Iterable[Observation]:
+        readings = []
+        for attributes, handle in self.devices(mig=mig):
+            try:
+                readings.append(Observation(read(handle), attributes))
+            except Exception:  # NVMLError_NotSupported and friends: this device, this reading
+                log.debug("NVML reading of %s failed", attributes["hw.id"], exc_info=True)
+        return readings
+
+    def memory(self, field: str) -> Iterable[Observation]:
+        def read(handle: Any) -> float:
             info = self.nvml.nvmlDeviceGetMemoryInfo(handle)
-            yield Observation(info.used if field == "used" else info.total, {"hw.id": gpu_id, "hw.type": "gpu"})
+            return float(info.used if field == "used" else info.total)
+
+        return self._each(read, mig=True)
 
     def utilisation(self) -> Iterable[Observation]:
-        for gpu_id, handle in self.handles:
-            rates = self.nvml.nvmlDeviceGetUtilizationRates(handle)
-            yield Observation(rates.gpu / 100.0, {"hw.id": gpu_id, "hw.type": "gpu"})
+        return self._each(lambda handle: self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0, mig=False)
 
     def temperature(self) -> Iterable[Observation]:
-        for gpu_id, handle in self.handles:
-            celsius = self.nvml.nvmlDeviceGetTemperature(handle, self.nvml.NVML_TEMPERATURE_GPU)
-            yield Observation(celsius, {"hw.id": gpu_id, "hw.type": "gpu"})
+        temperature = self.nvml.NVML_TEMPERATURE_GPU
+        return self._each(lambda handle: self.nvml.nvmlDeviceGetTemperature(handle, temperature), mig=False)
+
+
+def shared_memory(meminfo: Path = Path("/proc/meminfo")) -> dict[str, list[Observation]]:
+    """A Jetson's GPU memory without jetson-stats: the board's RAM, which its GPU allocates from (usage: what CPU and
+    GPU use together, MemTotal - MemAvailable; limit: MemTotal), as GPU `0`, the device its sessions run on."""
+    fields = read_meminfo(meminfo)
+    if "MemTotal" not in fields or "MemAvailable" not in fields:
+        return {"hw.gpu.memory.usage": [], "hw.gpu.memory.limit": []}
+    attributes = {"hw.id": "0", "hw.type": "gpu"}
+    return {
+        "hw.gpu.memory.usage": [Observation(fields["MemTotal"] - fields["MemAvailable"], attributes)],
+        "hw.gpu.memory.limit": [Observation(fields["MemTotal"], attributes)],
+    }
 
 
 # jetson-stats (jtop) 4.x, as documented in the docstrings of `jtop.gpu`, `jtop.memory` and `jtop.temperature`
@@ -247,13 +284,15 @@ def open_jtop(open_timeout_s: float = JTOP_OPEN_TIMEOUT_S, clock: Callable[[], f
     return Jtop(jtop, open_timeout_s, clock)
 
 
-def register_probes(meter: Meter) -> None:
+def register_probes(meter: Meter, *, nvml: Nvml | None = None, jetson: bool | None = None) -> None:
+    """The host gauges, and the GPU gauges from NVML, else jtop on a Jetson, else (a Jetson without jetson-stats)
+    its shared RAM as GPU memory."""
     meter.create_observable_gauge("system.memory.usage", callbacks=[_safe(host_memory)], unit="By",
                                   description="host memory by state (used, free)")  # fmt: skip
     meter.create_observable_gauge("system.cpu.utilization", callbacks=[_safe(CpuUtilisation())], unit="1",
                                   description="share of CPU time not idle")  # fmt: skip
     readers: dict[str, Callable[[], Iterable[Observation]]]
-    nvml = Nvml()
+    nvml = nvml or Nvml()
     if nvml.handles:
         readers = {
             "hw.gpu.memory.usage": lambda: nvml.memory("used"),
@@ -262,10 +301,14 @@ def register_probes(meter: Meter) -> None:
             "hw.temperature": nvml.temperature,
         }
     else:  # no NVML: a Jetson, or no NVIDIA GPU at all
-        jetson = open_jtop()
-        if jetson is None:
+        board = open_jtop()
+        if board is not None:
+            readers = {name: partial(board.read, name) for name in GPU_GAUGES}
+        elif jetson if jetson is not None else is_jetson():
+            log.info("Jetson GPU memory gauges from /proc/meminfo (the RAM its GPU shares)")
+            readers = {name: partial(lambda n: shared_memory()[n], name) for name in GPU_GAUGES if "memory" in name}
+        else:
             return
-        readers = {name: partial(jetson.read, name) for name in GPU_GAUGES}
-    for name, unit in GPU_GAUGES.items():
-        meter.create_observable_gauge(name, callbacks=[_safe(readers[name])], unit=unit,
+    for name, reader in readers.items():
+        meter.create_observable_gauge(name, callbacks=[_safe(reader)], unit=GPU_GAUGES[name],
                                       description=GPU_DESCRIPTIONS[name])  # fmt: skip
