@@ -4,7 +4,9 @@ Parsing goes through `inference.ModelConfig` from the tritonclient wheel, so a f
 refused exactly as Triton would; the result is normalised into `spec.ModelConfig`, and anything the agent
 cannot honour is refused at load with a `ModelConfigError` naming the file and the field. Fields that are only
 hints to Triton (`optimization`, `model_warmup`, ...) are accepted; `config_hints` says, one line per field, what
-the agent does instead, and the agent logs those lines once per model at load.
+the agent does instead, and the agent logs those lines once per model at load. The one optimization the agent honours,
+the `tensorrt` GPU execution accelerator, is checked here (`tensorrt_accelerator`): its parameters become the
+options of onnxruntime's TensorRT execution provider.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
@@ -34,12 +38,34 @@ log = logging.getLogger("spillway.agent")
 
 CONFIG_FILENAMES = ("config.pbtxt", "config.yaml")
 
+# A serialized TensorRT engine (`model.plan`), run by the native TensorRT runner.
+TENSORRT_PLATFORM = "tensorrt_plan"
 # A generative decoder (`genai_config.json` beside its model.onnx in each version): served by the generative engine,
 # its inputs and outputs described by genai_config.json rather than the model config.
 DECODER_PLATFORM = "onnxruntime_decoder"
 # platform -> the model file each version directory must hold
-MODEL_FILENAMES = {"onnxruntime_onnx": "model.onnx", "tensorrt_plan": "model.plan", DECODER_PLATFORM: "model.onnx"}
-_BACKEND_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
+MODEL_FILENAMES = {"onnxruntime_onnx": "model.onnx", TENSORRT_PLATFORM: "model.plan", DECODER_PLATFORM: "model.onnx"}
+_BACKEND_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": TENSORRT_PLATFORM}
+
+# Triton's `optimization.execution_accelerators.gpu_execution_accelerator` named "tensorrt" (its onnxruntime backend's
+# parameters): precision_mode, and these, each -> onnxruntime's TensorRT execution provider option and its kind.
+TENSORRT_ACCELERATOR = "tensorrt"
+TENSORRT_PRECISIONS = ("FP32", "FP16", "INT8")
+_TENSORRT_PARAMETERS: dict[str, tuple[str, str]] = {
+    "max_workspace_size_bytes": ("trt_max_workspace_size", "positive"),
+    "trt_max_partition_iterations": ("trt_max_partition_iterations", "positive"),
+    "trt_min_subgraph_size": ("trt_min_subgraph_size", "positive"),
+    "trt_builder_optimization_level": ("trt_builder_optimization_level", "level"),
+    "int8_calibration_table_name": ("trt_int8_calibration_table_name", "text"),
+    "int8_use_native_calibration_table": ("trt_int8_use_native_calibration_table", "bool"),
+    "trt_engine_cache_enable": ("trt_engine_cache_enable", "bool"),
+    "trt_engine_cache_path": ("trt_engine_cache_path", "path"),
+    "trt_timing_cache_enable": ("trt_timing_cache_enable", "bool"),
+    "trt_dla_enable": ("trt_dla_enable", "bool"),
+    "trt_dla_core": ("trt_dla_core", "index"),
+    "trt_cuda_graph_enable": ("trt_cuda_graph_enable", "bool"),
+}
+_TRUE, _FALSE = ("1", "true", "True"), ("0", "false", "False")
 
 # Triton's DataType enum name -> V2 datatype (TYPE_STRING travels as BYTES in the V2 protocol)
 TRITON_DATATYPES = {
@@ -84,6 +110,22 @@ _UNSUPPORTED_INSTANCE_FIELDS = ("rate_limiter", "secondary_devices", "profile", 
 
 class ModelConfigError(AgentError, ValueError):
     """A model config or model file the agent refuses to serve; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class TensorrtAccelerator:
+    """The model config's `tensorrt` GPU execution accelerator, checked: what onnxruntime's TensorRT execution provider
+    is given for this model (besides `device_id`, and the engine cache's directory, which the runner chooses)."""
+
+    precision: str = "FP32"  # FP32, FP16 or INT8: the precision TensorRT may build its engines in
+    # onnxruntime's TensorRT EP option -> value, the precision's included
+    options: Mapping[str, str] = dataclass_field(default_factory=dict)
+    engine_cache: bool = True  # built engines are kept on disk, so that a restart does not build them again
+    engine_cache_path: str | None = None  # the config's own directory for them (absolute); None: the agent's
+
+    @property
+    def timing_cache(self) -> bool:
+        return self.options.get("trt_timing_cache_enable") == "True"
 
 
 _Refuse = Callable[[str, str], ModelConfigError]
@@ -187,6 +229,7 @@ def to_model_config(message: Any, source: Path, *, expected_name: str) -> ModelC
         raise refuse("input", "the config declares no inputs")
     elif not outputs:
         raise refuse("output", "the config declares no outputs")
+    tensorrt_accelerator(message, source)  # refused here, at load, rather than when the session is created
     batching = message.dynamic_batching if message.HasField("dynamic_batching") else None
     return ModelConfig(
         name=expected_name,
@@ -366,7 +409,7 @@ def config_hints(message: Any, name: str, providers: Sequence[str]) -> list[str]
     """One line per config field that the agent accepts without honouring it, naming the model, the field and what
     the agent does instead. `providers`: the execution providers the model runs on."""
     generative = message.platform == DECODER_PLATFORM
-    on_gpu = any(p in GPU_PROVIDERS for p in providers)
+    on_gpu = any(p in GPU_PROVIDERS for p in providers) or message.platform == TENSORRT_PLATFORM
     where = f"model {name!r}: config field"
     runs = f"it runs on {list(providers)}"
     hints = []
@@ -387,11 +430,11 @@ def config_hints(message: Any, name: str, providers: Sequence[str]) -> list[str]
             hints.append(f"{where} {field}.gpus: {list(group.gpus)} is not honoured: a generative model runs every "
                          "instance on the agent's `device_id`")  # fmt: skip
     if message.HasField("optimization"):
-        hints.append(f"{where} optimization ({_optimization_summary(message.optimization)}) is not honoured: the "
-                     f"agent's execution providers decide (the agent setting `providers`; {runs})")  # fmt: skip
-    if message.parameters and not generative:
-        hints.append(f"{where} parameters {sorted(message.parameters)} is not honoured: parameters configure "
-                     f"generative models only (platform {DECODER_PLATFORM!r}); ignored")  # fmt: skip
+        hints += _optimization_hints(message, where, providers, runs)
+    ignored = sorted(key for key in message.parameters if key != "gpu_mem_limit")  # the per-model cap: honoured
+    if ignored and not generative:
+        hints.append(f"{where} parameters {ignored} is not honoured: parameters configure generative models only "
+                     f"(platform {DECODER_PLATFORM!r}), and `gpu_mem_limit` every model; ignored")  # fmt: skip
     if message.model_warmup:
         instead = (
             "the agent does not run configured warm-up requests"
@@ -418,16 +461,110 @@ def log_config_hints(name: str, message: Any | None, providers: Sequence[str]) -
         log.warning("%s", line)
 
 
-def _optimization_summary(optimization: Any) -> str:
-    """The optimization fields set, naming the execution accelerators (`tensorrt`, `openvino`, ...)."""
+def _optimization_hints(message: Any, where: str, providers: Sequence[str], runs: str) -> list[str]:
+    """The optimization fields not honoured. The `tensorrt` accelerator is, for an ONNX model on onnxruntime's
+    TensorRT execution provider (its options, `tensorrt_accelerator`); nothing is for a TensorRT plan."""
+    optimization = message.optimization
+    if message.platform == TENSORRT_PLATFORM:
+        return [f"{where} optimization ({_optimization_summary(optimization)}) is not honoured: a TensorRT plan runs "
+                "as its engine was built (precision, workspace and shapes were fixed when it was built)"]  # fmt: skip
+    honoured = message.platform != DECODER_PLATFORM and "TensorrtExecutionProvider" in providers
+    rest = _optimization_summary(optimization, without_tensorrt=honoured)
+    if rest is None:
+        return []
+    also = "; its tensorrt accelerator is (the TensorRT execution provider's options)" if honoured else ""
+    return [f"{where} optimization ({rest}) is not honoured: the agent's execution providers decide (the agent "
+            f"setting `providers`; {runs}){also}"]  # fmt: skip
+
+
+def _optimization_summary(optimization: Any, *, without_tensorrt: bool = False) -> str | None:
+    """The optimization fields set, naming the execution accelerators (`tensorrt`, `openvino`, ...); without the
+    `tensorrt` GPU accelerator when it is honoured (None: nothing else is set)."""
     parts = []
-    for field, value in optimization.ListFields():
-        if field.name == "execution_accelerators":
-            names = [a.name for a in [*value.gpu_execution_accelerator, *value.cpu_execution_accelerator]]
-            parts.append(f"execution_accelerators: {', '.join(names) or 'none'}")
+    for descriptor, value in optimization.ListFields():
+        if descriptor.name == "execution_accelerators":
+            gpu = [a.name for a in value.gpu_execution_accelerator
+                   if not (without_tensorrt and a.name == TENSORRT_ACCELERATOR)]  # fmt: skip
+            names = [*gpu, *(a.name for a in value.cpu_execution_accelerator)]
+            if names or not without_tensorrt:
+                parts.append(f"execution_accelerators: {', '.join(names) or 'none'}")
         else:
-            parts.append(field.name)
-    return "; ".join(parts) or "empty"
+            parts.append(descriptor.name)
+    if not parts:
+        return None if without_tensorrt else "empty"
+    return "; ".join(parts)
+
+
+def tensorrt_accelerator(message: Any, source: Path) -> TensorrtAccelerator | None:
+    """The config's `tensorrt` GPU execution accelerator as onnxruntime's TensorRT execution provider options (None:
+    the config names none). ModelConfigError names the field of a parameter the agent does not know, or a bad value.
+
+    Triton's onnxruntime backend parameters: `precision_mode` (FP32, FP16 or INT8) -> trt_fp16_enable /
+    trt_int8_enable, `max_workspace_size_bytes` -> trt_max_workspace_size, the engine and timing caches, DLA, ...
+    The engine cache is on unless `trt_engine_cache_enable` says "0"/"false": a restart then reuses the engines built.
+    """
+    if not message.HasField("optimization"):
+        return None
+    found: TensorrtAccelerator | None = None
+    accelerators = message.optimization.execution_accelerators.gpu_execution_accelerator
+    for index, accelerator in enumerate(accelerators):
+        if accelerator.name != TENSORRT_ACCELERATOR:
+            continue  # another accelerator (cuda, ...): a hint, not honoured
+        where = f"optimization.execution_accelerators.gpu_execution_accelerator[{index}]"
+        if found is not None:
+            raise ModelConfigError(f"{source}: field '{where}.name': a second {TENSORRT_ACCELERATOR!r} accelerator; "
+                                   "give its parameters once")  # fmt: skip
+        found = _tensorrt_parameters(dict(accelerator.parameters), f"{source}: field '{where}.parameters")
+    return found
+
+
+def _tensorrt_parameters(parameters: dict[str, str], where: str) -> TensorrtAccelerator:
+    precision = parameters.pop("precision_mode", "FP32")
+    if precision not in TENSORRT_PRECISIONS:
+        raise ModelConfigError(f"{where}[precision_mode]': {precision!r} is not a precision TensorRT builds in; use "
+                               f"one of {list(TENSORRT_PRECISIONS)}")  # fmt: skip
+    options = {"trt_fp16_enable": str(precision == "FP16"), "trt_int8_enable": str(precision == "INT8")}
+    for key, value in sorted(parameters.items()):
+        if key not in _TENSORRT_PARAMETERS:
+            raise ModelConfigError(f"{where}[{key}]': not a TensorRT parameter the agent knows; use precision_mode or "
+                                   f"one of {sorted(_TENSORRT_PARAMETERS)}")  # fmt: skip
+        option, kind = _TENSORRT_PARAMETERS[key]
+        options[option] = _tensorrt_value(value, kind, f"{where}[{key}]'")
+    if options.get("trt_int8_use_native_calibration_table") == "True" and precision != "INT8":
+        raise ModelConfigError(f"{where}[int8_use_native_calibration_table]': needs precision_mode INT8")
+    if "trt_int8_calibration_table_name" in options and precision != "INT8":
+        raise ModelConfigError(f"{where}[int8_calibration_table_name]': needs precision_mode INT8")
+    engine_cache = options.pop("trt_engine_cache_enable", "True") == "True"
+    path = options.pop("trt_engine_cache_path", None)
+    if path is not None and not engine_cache:
+        raise ModelConfigError(f"{where}[trt_engine_cache_path]': set, but trt_engine_cache_enable turns the cache off")
+    return TensorrtAccelerator(precision=precision, options=options, engine_cache=engine_cache, engine_cache_path=path)
+
+
+def _tensorrt_value(value: str, kind: str, where: str) -> str:
+    """One parameter's value as onnxruntime's TensorRT execution provider takes it (a bool as True/False)."""
+    if kind == "bool":
+        if value not in (*_TRUE, *_FALSE):
+            raise ModelConfigError(f'{where}: {value!r} is not a boolean; use "1"/"true" or "0"/"false"')
+        return str(value in _TRUE)
+    if kind == "text":
+        if not value:
+            raise ModelConfigError(f"{where}: empty")
+        return value
+    if kind == "path":
+        if not Path(value).is_absolute():
+            raise ModelConfigError(f"{where}: {value!r} is not an absolute path (by default the agent keeps the "
+                                   "engines under its state_dir)")  # fmt: skip
+        return value
+    lowest, highest = {"positive": (1, None), "index": (0, None), "level": (0, 5)}[kind]
+    try:
+        number = int(value)
+    except ValueError:
+        raise ModelConfigError(f"{where}: {value!r} is not a whole number") from None
+    if number < lowest or (highest is not None and number > highest):
+        bounds = f"{lowest}..{highest}" if highest is not None else f">= {lowest}"
+        raise ModelConfigError(f"{where}: {number} is outside {bounds}")
+    return str(number)
 
 
 def _version_policy(policy: Any, refuse: _Refuse) -> VersionPolicy:

@@ -7,7 +7,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,6 +17,7 @@ from edge_agent.errors import AgentError
 from edge_agent.scheduling.core import Batch, Pending, Rejection, Scheduler
 from edge_agent.scheduling.stats import ModelStats, RequestOutcome
 from spillway.contract.names import ERROR, LOCAL, REJECTED
+from spillway.contract.tenants import DEFAULT_TENANT
 
 
 class BatchRunner(Protocol):
@@ -115,12 +116,13 @@ class ModelWorker:
         self._timer_at = float("inf")
         self._idle = asyncio.Event()
 
-    async def infer(self, inputs: dict[str, np.ndarray], rows: int, priority: int, timeout_s: float | None) -> Served:
-        """Queue one request, wait for its result and count its outcome. Raises Refused, ExecutionFailed or
-        ValueError (bad priority)."""
-        outcome = RequestOutcome(self.stats, self.scheduler.resolve_level(priority))
+    async def infer(self, inputs: dict[str, np.ndarray], rows: int, priority: int, timeout_s: float | None,
+                    tenant: str = DEFAULT_TENANT) -> Served:  # fmt: skip
+        """Queue one request of `tenant`, wait for its result and count its outcome. Raises Refused, ExecutionFailed
+        or ValueError (bad priority)."""
+        outcome = RequestOutcome(self.stats, self.scheduler.resolve_level(priority), tenant=tenant)
         try:
-            future = self.admit(inputs, rows, priority, timeout_s)
+            future = self.admit(inputs, rows, priority, timeout_s, tenant)
         except Refused:
             outcome.refused()
             raise
@@ -144,9 +146,15 @@ class ModelWorker:
         return served
 
     def admit(
-        self, inputs: dict[str, np.ndarray], rows: int, priority: int, timeout_s: float | None
+        self,
+        inputs: dict[str, np.ndarray],
+        rows: int,
+        priority: int,
+        timeout_s: float | None,
+        tenant: str = DEFAULT_TENANT,
     ) -> asyncio.Future[Served]:
-        """Queue one request now (no await in between), or raise Refused at once; the future is its result.
+        """Queue one request of `tenant` now (no await in between), or raise Refused at once; the future is its result.
+        Within its level, tenants share the model by weight (`set_weights`).
 
         Counts nothing: the caller records the request's one outcome (`result` does, for a local run). Raises
         Refused or ValueError (bad priority, or more rows than a batch); the future may fail with Refused (timed
@@ -158,13 +166,18 @@ class ModelWorker:
         job = _Job(inputs, self._loop.create_future(), level)
         deadline = self.scheduler.deadline_for(level, now, timeout_s)
         shape = tuple((name, a.shape[1:]) for name, a in inputs.items()) if self.batching else None
-        pending = Pending(rows=rows, level=level, arrival=now, deadline=deadline, payload=job, shape=shape)
+        pending = Pending(rows=rows, level=level, arrival=now, deadline=deadline, payload=job, shape=shape,
+                          tenant=tenant)  # fmt: skip
         refused = self.scheduler.admit(pending, now)
         if refused is not None:
             raise Refused(refused)
         self._idle.clear()
         self._pump()
         return job.future
+
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """The tenants' weights for fair share within a level, from the next batch on (a tenant left out: 1)."""
+        self.scheduler.set_weights(weights)
 
     @property
     def utilisation(self) -> float:
@@ -280,3 +293,7 @@ class ModelWorker:
         for instance in self._instances:
             if instance.thread is not None:
                 instance.thread.join(timeout=30)
+        for instance in self._instances:  # a TensorRT runner frees its GPU buffers, stream and engine here
+            close = getattr(instance.runner, "close", None)
+            if close is not None:
+                close()
