@@ -305,7 +305,7 @@ class AgentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _auth_beyond_loopback(self) -> AgentConfig:
-        if not is_loopback(self.host) and self.token is None and not self.allow_unauthenticated:
+        if not is_loopback(self.host) and self.token is None and not self.tenants and not self.allow_unauthenticated:
             raise ValueError(
                 f"host {self.host} is beyond loopback: set a token (agent config `token`) "
                 "or start with --allow-unauthenticated"

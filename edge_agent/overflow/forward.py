@@ -1,8 +1,9 @@
 """Overflow: send a request the agent will not serve itself to the control plane's gateway, which hands it to a
 cloud backend, behind a local circuit breaker and a cap on requests in flight.
 
-The body goes unchanged (JSON or binary tensors) to the same path on the gateway, with the agent's token and the
-request's remaining deadline less a margin (`Spillway-Timeout-Us`), and the attempt itself is bounded by that deadline
+The body goes unchanged (JSON or binary tensors) to the same path on the gateway, with the agent's token, the
+request's tenant (`spillway-tenant`: the gateway may cap a tenant's share of a backend) and the request's remaining
+deadline less a margin (`Spillway-Timeout-Us`), and the attempt itself is bounded by that deadline
 and a grace for an answer on its way back (LATE_GRACE_S). Any
 answer but a 200 is a failure the caller turns into its local fallback; so is an open breaker or a full cap,
 without a network round trip. aiohttp is imported when the first request overflows.
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge_agent.overflow.breaker import BreakerConfig, CircuitBreaker
 from edge_agent.overflow.stream import ForwardedStream
+from spillway.contract import names
 
 if TYPE_CHECKING:
     import aiohttp
@@ -94,16 +96,17 @@ class Forwarder:
         return self._session
 
     async def forward(
-        self, path: str, body: bytes, headers: dict[str, str], remaining_s: float | None
+        self, path: str, body: bytes, headers: dict[str, str], remaining_s: float | None, *, tenant: str | None = None
     ) -> Forwarded | NotForwarded:
-        """Send `body` to `path` on the gateway within `remaining_s` (None: the default timeout)."""
+        """Send `body` to `path` on the gateway within `remaining_s` (None: the default timeout), on behalf of
+        `tenant` (None: the header is not sent)."""
         budget = self.default_timeout_s if remaining_s is None else remaining_s
         refused = self._refused(budget)
         if refused is not None:
             return refused
         import aiohttp
 
-        sent = self._headers(headers, budget)
+        sent = self._headers(headers, budget, tenant)
         self.in_flight += 1
         self.sent += 1
         started = self._clock()
@@ -147,17 +150,19 @@ class Forwarder:
         first_byte_s: float | None,
         *,
         idle_s: float | None = None,
+        tenant: str | None = None,
     ) -> ForwardedStream | NotForwarded:
         """Send `body` to `path` on the gateway and wait for the first bytes of its answer's body within
         `first_byte_s` (None: the default timeout); then the caller reads the rest (`ForwardedStream.rest`) and
-        ends it with `finish`. Between chunks the stream may be silent `idle_s` (None: the default timeout)."""
+        ends it with `finish`. Between chunks the stream may be silent `idle_s` (None: the default timeout).
+        `tenant`: the request's (None: the header is not sent)."""
         budget = self.default_timeout_s if first_byte_s is None else first_byte_s
         refused = self._refused(budget)
         if refused is not None:
             return refused
         import aiohttp
 
-        sent = self._headers(headers, budget)
+        sent = self._headers(headers, budget, tenant)
         idle = self.default_timeout_s if idle_s is None else idle_s
         self.in_flight += 1
         self.sent += 1
@@ -223,12 +228,15 @@ class Forwarder:
                               retry_after_s=max(1.0, self.breaker.config.open_s))  # fmt: skip
         return None
 
-    def _headers(self, headers: dict[str, str], budget_s: float) -> dict[str, str]:
-        """`headers` with the agent's token and the deadline less a margin, so that the gateway says "too late" (504,
-        the cloud was busy) before this side gives up on it (a timeout here means the gateway itself did not answer:
-        a failure)."""
+    def _headers(self, headers: dict[str, str], budget_s: float, tenant: str | None = None) -> dict[str, str]:
+        """`headers` with the agent's token, the tenant, and the deadline less a margin, so that the gateway says "too
+        late" (504, the cloud was busy) before this side gives up on it (a timeout here means the gateway itself did
+        not answer: a failure)."""
         margin = min(MARGIN_S, budget_s * MARGIN_SHARE)
-        return {**headers, "authorization": self._auth, "spillway-timeout-us": str(int((budget_s - margin) * 1e6))}
+        sent = {**headers, "authorization": self._auth, "spillway-timeout-us": str(int((budget_s - margin) * 1e6))}
+        if tenant is not None:
+            sent[names.H_TENANT] = tenant
+        return sent
 
     def _fail(self, reason: str, message: str, retry_after_s: float = 1.0) -> NotForwarded:
         self.failed[reason] = self.failed.get(reason, 0) + 1

@@ -9,6 +9,10 @@ A document is applied whole or not at all:
      move to the variants, batching parameters are retuned, shed and fallback change for the next admission;
   4. versions no longer wanted leave routing at once and are closed once everything they had queued is answered;
   5. telemetry is rebuilt if its buckets or interval changed, and a document from the control plane is cached.
+
+Tenants: a document's `tenants` are merged over the agent config's (None: the config's alone) in the commit step,
+so the next request authenticates, is admitted and is weighted under them; tenants that cannot be merged (a token
+the operator's, or shared by two tenants) refuse the document. Versions and pools it loads get the weights then.
      A cache write the disk refuses (full, say) is remembered and tried again on every poll tick (`sync_cache`)
      until it succeeds, so that a restart without the control plane never runs an older policy than the one that
      was active; meanwhile the status says the cache is behind, and the streak is logged once (and its end once).
@@ -66,6 +70,7 @@ if TYPE_CHECKING:
     from edge_agent.generation.pool import EnginePool
     from edge_agent.serving.models import LoadedModel, ModelRegistry
     from edge_agent.telemetry.live import LiveTelemetry
+    from edge_agent.tenants import TenantRegistry
 
 log = logging.getLogger("spillway.agent.policy")
 RETIRED_WAIT_S = 60.0  # longest a decoder switch waits for the same model's previous pool to finish and close
@@ -116,6 +121,7 @@ class PolicyApplier:
         engines: dict[str, EnginePool] | None = None,
         decoders: Mapping[str, ServedDecoder] | None = None,
         load_engine: Callable[[str, int], EnginePool] | None = None,
+        tenants: TenantRegistry | None = None,
     ) -> None:
         """Args:
         registry: the served models (routes and loaded versions change here).
@@ -128,6 +134,7 @@ class PolicyApplier:
         engines: the generative models' pools by name, the dict the APIs read (a variant switch changes it in place).
         decoders: per generative model, what a document is checked against.
         load_engine: loads a decoder version's pool (name, version) after its memory check; runs on a worker thread.
+        tenants: the agent's tenants, which a document's `tenants` change (None: documents' tenants are ignored).
         """
         self.registry = registry
         self.served = dict(served)
@@ -140,6 +147,7 @@ class PolicyApplier:
         self.engines: dict[str, EnginePool] = engines if engines is not None else {}
         self.decoders = dict(decoders or {})
         self._load_engine = load_engine
+        self.tenants = tenants
         self.retiring_engines: list[EnginePool] = []  # switched away from, finishing their running streams
         self.plan: Plan = local_plan(self.served, self.decoders)
         # The agent's own overflow setting, for a model loaded after start (build_agent gives it to every model).
@@ -181,6 +189,11 @@ class PolicyApplier:
                 if self.agent_id is not None and document.agent != self.agent_id:
                     raise PolicyRefused(f"agent: the document is for agent {document.agent!r}, not {self.agent_id!r}")
                 plan = build_plan(document, source, self.served, self.decoders)
+                if self.tenants is not None:
+                    try:
+                        self.tenants.check(document.tenants)
+                    except ValueError as exc:
+                        raise PolicyRefused(f"tenants: {exc}") from None
             except PolicyRefused as exc:
                 self.refuse(str(exc), document.version, source)
                 return False
@@ -388,7 +401,13 @@ class PolicyApplier:
     def _commit(self, plan: Plan, loaded: list[LoadedModel], unloads: list[tuple[str, int]], etag: str | None,
                 engines: Mapping[str, EnginePool] | None = None) -> None:  # fmt: skip
         """Everything that changes routing and admission, in one step on the event loop."""
+        weights = None
+        if self.tenants is not None:  # (its callbacks give the running workers and pools the new weights)
+            self.tenants.apply(None if plan.document is None else plan.document.tenants)
+            weights = self.tenants.weights()
         for model in loaded:
+            if weights is not None:
+                model.worker.set_weights(weights)
             self.registry.add(model)
             if self.telemetry is not None:
                 self.telemetry.attach(model)
@@ -396,6 +415,8 @@ class PolicyApplier:
             if name in self.served and name in self.registry.names():
                 self._serve_as_planned(name, model_plan)
         for name, pool in (engines or {}).items():
+            if weights is not None:
+                pool.set_weights(weights)
             old = self.engines[name]
             if self.telemetry is not None:  # (it puts `pool` in its dict, the same one, under its collection lock)
                 self.telemetry.engine_swapped(name, pool, old)
@@ -433,6 +454,8 @@ class PolicyApplier:
         try:
             await pool.drain()
             await asyncio.to_thread(pool.close)
+            if self.registry.memory is not None:
+                self.registry.memory.release(pool)
             log.info("unloaded %s v%s", pool.name, pool.version)
         finally:
             self.retiring_engines.remove(pool)

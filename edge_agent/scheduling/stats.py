@@ -8,15 +8,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from spillway.contract.tenants import DEFAULT_TENANT
+
 log = logging.getLogger("spillway.agent")
 
 
 class StatsListener(Protocol):
     """Gets every count and duration the statistics get (the agent's OpenTelemetry instruments)."""
 
-    def outcome(self, priority: int, outcome: str) -> None: ...
+    def outcome(self, priority: int, outcome: str, tenant: str = DEFAULT_TENANT) -> None: ...
 
-    def durations(self, priority: int, outcome: str, queue_s: float, compute_s: float, total_s: float) -> None: ...
+    def durations(self, priority: int, outcome: str, queue_s: float, compute_s: float, total_s: float,
+                  tenant: str = DEFAULT_TENANT) -> None: ...  # fmt: skip
 
     def batch(self, rows: int, compute_s: float, ok: bool) -> None: ...
 
@@ -49,23 +52,24 @@ class ModelStats:
     outcomes: Counter[tuple[int, str]] = field(default_factory=Counter)
     listener: StatsListener | None = None  # telemetry, when the agent exports metrics
 
-    def outcome(self, priority: int, outcome: str) -> None:
+    def outcome(self, priority: int, outcome: str, tenant: str = DEFAULT_TENANT) -> None:
         self.outcomes[(priority, outcome)] += 1
         if self.listener is not None:
-            self.listener.outcome(priority, outcome)
+            self.listener.outcome(priority, outcome, tenant=tenant)
 
-    def request(self, priority: int, outcome: str, queue_s: float, compute_s: float, total_s: float) -> None:
-        self.outcome(priority, outcome)
+    def request(self, priority: int, outcome: str, queue_s: float, compute_s: float, total_s: float,
+                tenant: str = DEFAULT_TENANT) -> None:  # fmt: skip
+        self.outcome(priority, outcome, tenant)
         if self.listener is not None:
-            self.listener.durations(priority, outcome, queue_s, compute_s, total_s)
+            self.listener.durations(priority, outcome, queue_s, compute_s, total_s, tenant=tenant)
         (self.success if outcome == "local" else self.fail).add(total_s)
         self.queue.add(queue_s)
 
-    def answered(self, priority: int, outcome: str, total_s: float) -> None:
+    def answered(self, priority: int, outcome: str, total_s: float, tenant: str = DEFAULT_TENANT) -> None:
         """A request answered without running here (overflow, a fallback, a job accepted): outcome and duration."""
-        self.outcome(priority, outcome)
+        self.outcome(priority, outcome, tenant)
         if self.listener is not None:
-            self.listener.durations(priority, outcome, 0.0, 0.0, total_s)
+            self.listener.durations(priority, outcome, 0.0, 0.0, total_s, tenant=tenant)
 
     def batch(self, rows: int, compute_s: float, ok: bool) -> None:
         if self.listener is not None:
@@ -101,15 +105,18 @@ class RequestOutcome:
     """The one recorder of one request's outcome: whichever way the request ends (served here, refused, failed,
     overflowed, a fallback, a job accepted), exactly one of these methods counts it, in `stats` (and so in the
     telemetry). A second call is a bug of ours: it is logged and not counted, so the counts stay equal to the
-    requests. `level` is 0 until the request's priority is resolved (a request refused before that)."""
+    requests. `level` is 0 until the request's priority is resolved (a request refused before that); `tenant` is the
+    tenant it belongs to (telemetry names it, bounded: see AgentTelemetry.tenant_label)."""
 
-    __slots__ = ("arrived", "level", "recorded", "stats")
+    __slots__ = ("arrived", "level", "recorded", "stats", "tenant")
 
-    def __init__(self, stats: ModelStats, level: int = 0, arrived: float | None = None) -> None:
+    def __init__(self, stats: ModelStats, level: int = 0, arrived: float | None = None, *,
+                 tenant: str = DEFAULT_TENANT) -> None:  # fmt: skip
         self.stats = stats
         self.level = level
         self.arrived = time.monotonic() if arrived is None else arrived
         self.recorded: str | None = None
+        self.tenant = tenant
 
     def _first(self, outcome: str) -> bool:
         if self.recorded is not None:
@@ -122,14 +129,14 @@ class RequestOutcome:
         """It reached the scheduler: served here (`local`), failed in its batch (`error`) or timed out queued
         (`rejected`), with its queue, compute and total times."""
         if self._first(outcome):
-            self.stats.request(self.level, outcome, queue_s, compute_s, total_s)
+            self.stats.request(self.level, outcome, queue_s, compute_s, total_s, self.tenant)
 
     def answered(self, outcome: str) -> None:
         """Answered without running here (overflow, a fallback, a job accepted): its time since arrival."""
         if self._first(outcome):
-            self.stats.answered(self.level, outcome, time.monotonic() - self.arrived)
+            self.stats.answered(self.level, outcome, time.monotonic() - self.arrived, self.tenant)
 
     def refused(self, outcome: str = "rejected") -> None:
         """Refused at once (or an error of ours before any work): counted, with no duration."""
         if self._first(outcome):
-            self.stats.outcome(self.level, outcome)
+            self.stats.outcome(self.level, outcome, self.tenant)

@@ -2,12 +2,15 @@
 a millisecond to a request, with Triton's status codes and error shape. Beside inference: health, metadata,
 statistics, Triton's model config and repository extension (repository_api.py), `/metrics` and async jobs.
 
-A path no route has is answered 404; 405 (with `Allow`) only where the route exists for another method."""
+A path no route has is answered 404; 405 (with `Allow`) only where the route exists for another method.
+
+Every request but `/v2/health/live` is authenticated where the agent has any token (its own, or a tenant's): the
+bearer token names the request's tenant (tenants/), put in `scope["spillway.tenant"]` and handed to the pipeline and
+the generative APIs; a missing or unknown token is 401. gRPC goes through this app, so the same holds for it."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections import Counter
@@ -35,7 +38,9 @@ from edge_agent.serving.repository_api import (
     parse_index_body,
 )
 from edge_agent.serving.triton_config import completed_config, config_json, generative_config
+from edge_agent.tenants import TenantRegistry
 from spillway.contract import names
+from spillway.contract.tenants import DEFAULT_TENANT
 from spillway.contract.v2 import BodyTooLarge, ClientGone, encode_error, read_body
 
 if TYPE_CHECKING:
@@ -76,8 +81,10 @@ class InferenceApp:
         default_outputs: dict[str, dict[str, np.ndarray]] | None = None,
         jobs: AsyncQueue | None = None,
         openai: OpenAIApi | None = None,
+        tenants: TenantRegistry | None = None,
     ) -> None:
         """Args beyond the obvious:
+        token: the operator's bearer token (the `default` tenant's), when `tenants` is None.
         policy: overflow, shed, fallback and variant decisions per model (None: serve everything as configured).
         responses: recent successful answers, filled on every success and read by `cache` fallbacks.
         status: the body of `GET /v2/spillway/status`.
@@ -85,16 +92,17 @@ class InferenceApp:
         default_outputs: per model, the outputs (one row each) answered as `fallback_default` when overflow fails.
         jobs: the async queue, the last fallback when overflow fails, for the models it accepts.
         openai: the OpenAI-compatible API of the generative models (None: none are served).
+        tenants: who a token belongs to, and the tenants' quotas and ceilings (None: `token` alone, no tenants).
         """
         self.registry = registry
-        self.token = token.encode() if token else None
+        self.tenants = tenants if tenants is not None else TenantRegistry([], token)
         self.status = status
         self.jobs = jobs
         self.openai = openai
         self.engines: dict[str, EnginePool] = {}  # drained with the workers on shutdown
         self.pipeline = InferencePipeline(
             registry, max_body_bytes=max_body_bytes, allow_non_finite=allow_non_finite, policy=policy,
-            responses=responses, forwarder=forwarder, default_outputs=default_outputs, jobs=jobs,
+            responses=responses, forwarder=forwarder, default_outputs=default_outputs, jobs=jobs, tenants=self.tenants,
         )  # fmt: skip
         self.ready = True
         self.unrouted: Counter[str] = Counter()  # infer requests for models that do not exist
@@ -114,18 +122,22 @@ class InferenceApp:
         send = self._closing_when_draining(send)
         path: str = scope["path"]
         headers = dict(scope["headers"])
-        if self.token is not None and path not in _UNAUTHENTICATED and not self._authorised(headers):
-            message = "missing or invalid bearer token"
-            body = _openai_error(message, "invalid_api_key") if path.startswith("/v1/") else encode_error(message)
-            await _respond(send, 401, body, extra=[(b"www-authenticate", b"Bearer")])
-            return
+        tenant = self.tenants.resolve(headers.get(b"authorization"))
+        if tenant is None:
+            if path not in _UNAUTHENTICATED:
+                message = "missing or invalid bearer token"
+                body = _openai_error(message, "invalid_api_key") if path.startswith("/v1/") else encode_error(message)
+                await _respond(send, 401, body, extra=[(b"www-authenticate", b"Bearer")])
+                return
+            tenant = DEFAULT_TENANT
+        scope["spillway.tenant"] = tenant
         method: str = scope["method"]
         try:
             if path.startswith("/v1/"):
                 if self.openai is None:
                     await _respond(send, 404, _openai_error("this agent serves no generative model", "model_not_found"))
                 else:
-                    await self.openai.handle(method, path, headers, receive, send)
+                    await self.openai.handle(method, path, headers, receive, send, tenant=tenant)
                 return
             allowed = allowed_methods(path)
             if allowed is None:
@@ -134,12 +146,16 @@ class InferenceApp:
                 methods = ", ".join(allowed)
                 await _respond(send, 405, encode_error(f"method {method} not allowed on {path}; use {allowed[0]}"),
                                extra=[(b"allow", methods.encode())])  # fmt: skip
+            elif tenant != DEFAULT_TENANT and _operator_only(path):
+                # Loading and unloading models, the agent's status (every tenant's traffic) and /metrics: the
+                # operator's, never a tenant's (one tenant could unload what the others use).
+                await _respond(send, 403, encode_error(f"{path} is the operator's: use the agent's own token"))
             elif method == "POST" and path.startswith("/v2/repository/"):
                 await self._repository(path, headers, receive, send)
             elif method == "POST" and path.endswith(("/generate", "/generate_stream")):
-                await self._generate(path, headers, receive, send)
+                await self._generate(path, headers, receive, send, tenant)
             elif method == "POST":
-                await self._infer(path, headers, receive, send)
+                await self._infer(path, headers, receive, send, tenant)
             elif path.startswith(JOBS_PREFIX):
                 await self._job(path[len(JOBS_PREFIX) :], send)
             elif path.strip("/") == "metrics":
@@ -161,12 +177,6 @@ class InferenceApp:
             await send(message)
 
         return closing_send
-
-    def _authorised(self, headers: dict[bytes, bytes]) -> bool:
-        value = headers.get(b"authorization", b"")
-        scheme, _, token = value.partition(b" ")
-        assert self.token is not None
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.token)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -339,7 +349,8 @@ class InferenceApp:
         except RepositoryError as exc:
             await _respond(send, _repository_status(exc), encode_error(str(exc)))
 
-    async def _generate(self, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
+    async def _generate(self, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send,
+                        tenant: str = DEFAULT_TENANT) -> None:  # fmt: skip
         """Triton's generate extension, for the generative models (openai_api.py)."""
         name, version, rest = _model_action(path)
         if rest not in (["generate"], ["generate_stream"]):
@@ -347,11 +358,13 @@ class InferenceApp:
         elif self.openai is None or name not in self.openai.engines:
             await _respond(send, 404, encode_error(f"unknown generative model '{name}' (V2 models answer /infer)"))
         else:
-            await self.openai.triton_generate(name, version, rest == ["generate_stream"], headers, receive, send)
+            await self.openai.triton_generate(name, version, rest == ["generate_stream"], headers, receive, send,
+                                              tenant=tenant)  # fmt: skip
 
     # ---- inference: the pipeline (pipeline.py) ------------------------------------------------------------------
 
-    async def _infer(self, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
+    async def _infer(self, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send,
+                     tenant: str = DEFAULT_TENANT) -> None:  # fmt: skip
         name, version, rest = _model_action(path)
         if rest != ["infer"]:
             await _respond(send, 404, encode_error(f"no such endpoint: {path}"))
@@ -362,7 +375,7 @@ class InferenceApp:
             self.unrouted["unknown_model"] += 1
             await reject(send, 404, str(exc), "unknown_model")
             return
-        await self.pipeline.handle(path, requested, name, version, headers, receive, send)
+        await self.pipeline.handle(path, requested, name, version, headers, receive, send, tenant)
 
 
 def allowed_methods(path: str) -> tuple[str, ...] | None:
@@ -427,3 +440,8 @@ def _openai_error(message: str, code: str) -> bytes:
 
 async def _respond_json(send: Send, status: int, body: dict[str, Any]) -> None:
     await _respond(send, status, json.dumps(body).encode())
+
+
+def _operator_only(path: str) -> bool:
+    """Routes only the agent's own token (the `default` tenant) reaches once tenants exist."""
+    return path.startswith(("/v2/repository/", "/v2/spillway/")) or path.strip("/") == "metrics"

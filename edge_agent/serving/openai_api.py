@@ -20,6 +20,14 @@ default text; its shed is a 503. Its `max_tokens_cap` lowers a request's max_tok
 `spillway-max-tokens-cap`: the answer may end with `finish_reason: length` there). Every answer is counted once, with
 its outcome, in the model's telemetry.
 
+Tenants (the app resolves each request's bearer token to one, `TenantRegistry`): a level above the tenant's priority
+ceiling is served at the ceiling; once valid, before any token or overflow, the request takes its tenant's quotas
+(in flight, requests/s, streams, and tokens/s: its prompt's tokens then, the generated ones as they come) and holds
+them until its answer is over, however it ends; over one: 429 in OpenAI's shape (`code: rate_limit_exceeded`),
+Retry-After and `spillway-reason: tenant_quota`, counted once as rejected. The engine shares each level fairly among
+the tenants (`GenerationRequest.tenant`), telemetry names the tenant (`spillway.tenant`, bounded), and an overflowed
+request carries it to the gateway (`spillway-tenant`), which may cap a tenant's share of a backend.
+
 Fields the agent does not implement (tools, JSON mode, logprobs, penalties, logit_bias, n or best_of above 1, echo,
 suffix, vLLM's guided decoding...) are refused with a value that would use them: 400, `code: unsupported_parameter`,
 the field in `param`, as OpenAI refuses a parameter a model lacks. vLLM's extra `ignore_eos` is honoured (benchmarks
@@ -52,13 +60,16 @@ from edge_agent.serving import admission
 from edge_agent.serving.admission import Verdict
 from edge_agent.serving.pipeline import FALLBACK_MISS_RETRY_AFTER_S, JOBS_PREFIX, PolicyGate
 from edge_agent.serving.pipeline import respond as _respond
+from edge_agent.tenants import Lease, QuotaExceeded
 from spillway.contract import names
+from spillway.contract.tenants import DEFAULT_TENANT
 from spillway.contract.v2 import BodyTooLarge, ClientGone, parse_timeout_budget_us, read_body
 
 if TYPE_CHECKING:
     from edge_agent.overflow.forward import Forwarder
     from edge_agent.overflow.queue import AsyncQueue
     from edge_agent.policy.plan import ModelPlan
+    from edge_agent.tenants import TenantRegistry
 
 __all__ = ["OpenAIApi"]
 
@@ -72,6 +83,7 @@ _BACKEND = names.H_BACKEND.encode()
 _JOB_ID = names.H_JOB_ID.encode()
 _CAP = names.H_MAX_TOKENS_CAP.encode()
 _TIMEOUT_US = names.H_TIMEOUT_US.encode()
+_QUOTA = "tenant_quota"
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 MAX_STOPS = 4
 
@@ -182,6 +194,9 @@ class _Ask:
     key: bytes | None = None  # in the completion cache: greedy requests only
     ident: str = ""
     priority_header: bytes | None = None  # `spillway-priority`, as the client sent it
+    tenant: str = DEFAULT_TENANT  # whose request it is (the app resolved its bearer token)
+    label: str = DEFAULT_TENANT  # the tenant's name in telemetry (bounded: `other` for one the agent no longer knows)
+    lease: Lease | None = None  # the tenant's quotas it holds from admission to its answer (None: no quotas)
 
     @property
     def path(self) -> str:
@@ -196,15 +211,32 @@ class _Ask:
         return [] if self.capped is None else [(_CAP, str(self.capped).encode())]
 
     def count(self, outcome: str) -> None:
-        listener = self.engine.listener
-        if listener is not None:
-            listener.outcome(self.level, outcome)
+        _tell(self.engine, self.level, outcome, self.label)
+
+    def refused(self) -> None:
+        """Count it refused before any token (rejected), once."""
+        self.engine.refused(self.level, self.label)
+
+    def generated(self, chunks: AsyncIterable[Chunk]) -> AsyncIterator[Chunk]:
+        """`chunks` as they come, each one's new tokens debited from the tenant's tokens/s as it passes."""
+        return _debited(chunks, self.lease)
+
+    def add_tokens(self, tokens: int) -> None:
+        """Debit tokens generated for it (elsewhere: the cloud's, counted when the overflowed answer ends)."""
+        if self.lease is not None and tokens > 0:
+            self.lease.add_tokens(tokens)
+
+    def release(self) -> None:
+        """Its answer is over (sent, cut short, failed): the tenant's in-flight and stream slots back (idempotent)."""
+        if self.lease is not None:
+            self.lease.release()
 
 
 class OpenAIApi:
     def __init__(self, engines: dict[str, EnginePool], *, max_body_bytes: int, default_max_tokens: int,
                  policy: PolicyGate | None = None, forwarder: Forwarder | None = None, cache_bytes: int = 0,
-                 cache_ttl_s: float | None = None, jobs: AsyncQueue | None = None) -> None:  # fmt: skip
+                 cache_ttl_s: float | None = None, jobs: AsyncQueue | None = None,
+                 tenants: TenantRegistry | None = None) -> None:  # fmt: skip
         """Args:
         engines: the generative models by name (the same dict a policy changes in place on a variant switch).
         max_body_bytes: the bound on a request's body.
@@ -214,6 +246,8 @@ class OpenAIApi:
         cache_bytes: the bound on the greedy completions kept for the cache fallback (0: none are kept).
         cache_ttl_s: how long after it was stored a completion may answer (None: until it is evicted).
         jobs: the async queue, the last fallback for the models it accepts (their jobs run here, `_GenerativeJobs`).
+        tenants: the tenants' priority ceilings, quotas and telemetry names (None: no ceilings or quotas; each
+            request still carries its tenant to the engine's fair share).
         """
         self.engines = engines
         self.max_body_bytes = max_body_bytes
@@ -222,6 +256,7 @@ class OpenAIApi:
         self.forwarder = forwarder
         self.completions = CompletionCache(cache_bytes, cache_ttl_s) if cache_bytes > 0 else None
         self.jobs = jobs
+        self.tenants = tenants
         self.created = int(time.time())
         self.warned: set[str] = set()  # unknown field names already logged
         self._draw = random.Random().random  # noqa: S311 (overflow fractions, not secrets)
@@ -230,14 +265,16 @@ class OpenAIApi:
                 if jobs.accepts(name):
                     jobs.runners[name] = _GenerativeJobs(self, name, jobs.drain_below)
 
-    async def handle(self, method: str, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
+    async def handle(self, method: str, path: str, headers: dict[bytes, bytes], receive: Receive, send: Send, *,
+                     tenant: str = DEFAULT_TENANT) -> None:  # fmt: skip
+        """Answer one request of `tenant` (the app resolved it from the request's bearer token)."""
         try:
             if path == "/v1/models" and method in ("GET", "HEAD"):
                 data = [{"id": name, "object": "model", "created": self.created, "owned_by": "spillway"}
                         for name in sorted(self.engines)]  # fmt: skip
                 await _respond(send, 200, json.dumps({"object": "list", "data": data}).encode())
             elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
-                await self._generate(path.endswith("chat/completions"), headers, receive, send)
+                await self._generate(path.endswith("chat/completions"), headers, receive, send, tenant)
             elif path.startswith("/v1/models/") and method in ("GET", "HEAD"):
                 name = path[len("/v1/models/") :]
                 self._engine(name)
@@ -251,13 +288,23 @@ class OpenAIApi:
             return
 
     async def triton_generate(self, name: str, version: str | None, stream: bool, headers: dict[bytes, bytes],
-                              receive: Receive, send: Send) -> None:  # fmt: skip
+                              receive: Receive, send: Send, *, tenant: str = DEFAULT_TENANT) -> None:  # fmt: skip
         """Triton's generate extension: `POST /v2/models/{m}[/versions/{v}]/generate[_stream]` with `text_input` and
         `parameters` (the same fields as a completion: max_tokens, temperature, top_p, top_k, seed, stop, priority,
         timeout); answers `{model_name, model_version, text_output}`, streamed as SSE events of new text. Errors are
         V2's, `{"error": "..."}`. The policy's cap, shed and fallbacks apply as on the OpenAI routes; a request the
         policy overflows is served here when the device takes it (the gateway speaks OpenAI's protocol, not this
         one), else answered by the fallback chain."""
+        held: list[_Ask] = []
+        try:
+            await self._triton_generate(name, version, stream, headers, receive, send, tenant, held)
+        finally:
+            for ask in held:  # the tenant's quotas it held: back however it ended
+                ask.release()
+
+    async def _triton_generate(self, name: str, version: str | None, stream: bool, headers: dict[bytes, bytes],
+                               receive: Receive, send: Send, tenant: str, held: list[_Ask]) -> None:  # fmt: skip
+        """`triton_generate`'s work; the request, once within its tenant's quotas, in `held` (its lease)."""
         cap_headers: Headers = []
         try:
             self._engine(name)  # an unknown model is refused before its body is read
@@ -281,11 +328,13 @@ class OpenAIApi:
             plan = self.policy.plan_for(name) if self.policy is not None else None
             try:
                 self._check_fields(fields, False)
-                ask = self._ask(engine, plan, fields, raw, False, headers)
+                ask = self._ask(engine, plan, fields, raw, False, headers, tenant)
             except ApiError:
-                engine.refused()
+                engine.refused(0, self._label(tenant))
                 raise
             cap_headers = ask.headers()
+            self._admit(ask)
+            held.append(ask)
             verdict = self._verdict(ask)
             generated = None
             if verdict.action in ("serve", "overflow"):
@@ -293,7 +342,7 @@ class OpenAIApi:
                     generated = engine.submit(ask.request, count_refusal=False)
                 except Refused as exc:
                     if verdict.action == "serve" and not verdict.overflow_if_refused:
-                        engine.refused(ask.level)
+                        ask.refused()
                         raise ApiError(503, str(exc), code=exc.rejection.reason, reason=exc.rejection.reason,
                                        retry_after_s=exc.rejection.retry_after_s) from None  # fmt: skip
                     verdict = Verdict("overflow", message=exc.rejection.message)
@@ -332,7 +381,7 @@ class OpenAIApi:
         watcher = asyncio.ensure_future(_watch_disconnect(receive, generated))
         try:
             if not stream:
-                chunks = [chunk async for chunk in generated]
+                chunks = [chunk async for chunk in ask.generated(generated)]
                 output = "".join(c.text for c in chunks)
                 answer = {**head, "text_output": output, "finish_reason": chunks[-1].finish_reason,
                           "usage": _usage(chunks[-1])}  # fmt: skip
@@ -345,7 +394,7 @@ class OpenAIApi:
                      (_OUTCOME, b"local"), *cap_headers]  # fmt: skip
             await send({"type": "http.response.start", "status": 200, "headers": start})
             said: list[str] = []
-            async for chunk in generated:
+            async for chunk in ask.generated(generated):
                 said.append(chunk.text)
                 if not chunk.text and chunk.finish_reason is None:
                     continue
@@ -375,7 +424,8 @@ class OpenAIApi:
 
     # ---- admission -------------------------------------------------------------------------------------------------
 
-    async def _generate(self, chat: bool, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
+    async def _generate(self, chat: bool, headers: dict[bytes, bytes], receive: Receive, send: Send,
+                        tenant: str = DEFAULT_TENANT) -> None:  # fmt: skip
         try:
             raw = await read_body(receive, headers.get(b"content-length"), self.max_body_bytes)
         except BodyTooLarge as exc:
@@ -392,10 +442,19 @@ class OpenAIApi:
             self._check_fields(body, chat)
             if body.get("stream") is not None and not isinstance(body["stream"], bool):
                 raise ApiError(400, f"'stream' must be true or false, got {str(body['stream'])[:60]!r}", "stream")
-            ask = self._ask(engine, plan, body, raw, chat, headers)
+            ask = self._ask(engine, plan, body, raw, chat, headers, tenant)
         except ApiError:
-            engine.refused()  # counted: rejected, before its priority is known
+            engine.refused(0, self._label(tenant))  # counted: rejected, before its priority is known
             raise
+        self._admit(ask)
+        try:
+            await self._admitted(ask, receive, send)
+        finally:
+            ask.release()  # however it was answered, or ended (its client gone, an error)
+
+    async def _admitted(self, ask: _Ask, receive: Receive, send: Send) -> None:
+        """A request within its tenant's quotas: served here, overflowed, or answered by a fallback."""
+        engine = ask.engine
         verdict = self._verdict(ask)
         if verdict.action == "serve":
             try:
@@ -403,7 +462,7 @@ class OpenAIApi:
             except Refused as exc:
                 verdict = admission.on_refusal(verdict, exc.rejection)
                 if verdict.action == "refuse":
-                    engine.refused(ask.level)
+                    ask.refused()
                     refusal = exc.rejection.reason
                     status = 429 if refusal == "queue_full" else 503
                     raise ApiError(status, str(exc), code=refusal, kind="server_error" if status == 503 else
@@ -424,21 +483,54 @@ class OpenAIApi:
         await self._answer(send, ask, completion, outcome, reason)
 
     def _ask(self, engine: EnginePool, plan: ModelPlan | None, body: dict[str, Any], raw: bytes, chat: bool,
-             headers: dict[bytes, bytes]) -> _Ask:  # fmt: skip
+             headers: dict[bytes, bytes], tenant: str = DEFAULT_TENANT) -> _Ask:  # fmt: skip
         prompt = self._prompt(engine, body, chat)
         cap = None if plan is None else plan.max_tokens_cap
         request, capped = self._request(engine, body, prompt, chat, headers, cap)
-        level = engine.instances[0].scheduler.resolve_level(request.priority)
+        scheduler = engine.instances[0].scheduler
+        level = scheduler.resolve_level(request.priority)
+        priority_header = headers.get(b"spillway-priority")
+        priority = request.priority
+        if self.tenants is not None:
+            # The tenant's priority ceiling: a level above it is served at it (clamped, not refused), here and in
+            # the cloud (the header overrides the body's priority there); a ceiling below the model's lowest level
+            # is served at that level.
+            clamped = min(self.tenants.ceiling(tenant, level), scheduler.config.levels)
+            if clamped > level:
+                level = priority = clamped
+                priority_header = str(level).encode()
+                if "priority" in body:  # overflowed, the body goes as it came: it must not ask above the ceiling
+                    raw = json.dumps({**body, "priority": level}).encode()
+        request = replace(request, priority=priority, tenant=tenant)  # the engine keeps the tenant's fair share
         options = body.get("stream_options")
         ask = _Ask(chat, body, raw, engine, request, level, time.monotonic(), body.get("stream") is True,
                    isinstance(options, dict) and options.get("include_usage") is True, capped, plan)  # fmt: skip
         ask.ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        ask.priority_header = headers.get(b"spillway-priority")
+        ask.priority_header = priority_header
+        ask.tenant = tenant
+        ask.label = self._label(tenant)
         sampling = request.sampling
         if self.completions is not None and (sampling.temperature == 0 or sampling.top_k == 1):
             ask.key = completion_key(engine.name, engine.version, request.operation, request.prompt,
                                      request.max_tokens, request.stop, request.ignore_eos)  # fmt: skip
         return ask
+
+    def _label(self, tenant: str) -> str:
+        return tenant if self.tenants is None else self.tenants.label(tenant)
+
+    def _admit(self, ask: _Ask) -> None:
+        """Take the tenant's quotas for `ask` (its prompt's tokens from tokens/s), before any token or overflow;
+        over one: 429 with Retry-After and `spillway-reason: tenant_quota`, counted once (rejected). OpenAI's shape
+        of a rate limit: `code: rate_limit_exceeded`, `type` the tokens or the requests."""
+        if self.tenants is None:
+            return
+        try:
+            ask.lease = self.tenants.admit(ask.tenant, generative=True, tokens=len(ask.request.prompt))
+        except QuotaExceeded as exc:
+            ask.refused()
+            raise ApiError(429, exc.message, code="rate_limit_exceeded",
+                           kind="tokens" if exc.quota == "tokens_per_s" else "requests",
+                           retry_after_s=exc.retry_after_s, reason=_QUOTA, extra=ask.headers()) from None  # fmt: skip
 
     def _verdict(self, ask: _Ask) -> Verdict:
         """The policy's verdict; a `serve` with overflow on overflows at once when the device's predicted first token
@@ -468,9 +560,9 @@ class OpenAIApi:
         watcher = asyncio.ensure_future(_watch_disconnect(receive, stream))
         try:
             if ask.stream:
-                await self._stream(send, ask, stream, None, {})
+                await self._stream(send, ask, ask.generated(stream), None, {})
             else:
-                await self._whole(send, ask, stream, None, {})
+                await self._whole(send, ask, ask.generated(stream), None, {})
         finally:
             watcher.cancel()
             stream.cancel()  # a handler that ends early (its send failed) frees the sequence; no-op once it ended
@@ -518,8 +610,9 @@ class OpenAIApi:
         remaining = None if deadline is None or not ask.stream else deadline - time.monotonic()
         forwarded = {"content-type": "application/json"}
         if ask.priority_header is not None:  # the body goes unchanged: the priority the client gave beside it too
-            forwarded["spillway-priority"] = ask.priority_header.decode("latin-1")
-        opened = await self.forwarder.open_stream(ask.path, ask.raw, forwarded, remaining)
+            forwarded["spillway-priority"] = ask.priority_header.decode("latin-1")  # or the tenant's ceiling
+        # With the tenant (`spillway-tenant`): the gateway may cap a tenant's share of a backend.
+        opened = await self.forwarder.open_stream(ask.path, ask.raw, forwarded, remaining, tenant=ask.tenant)
         if isinstance(opened, NotForwarded):
             await self._fall_back(ask, opened.reason, f"{why}; overflow failed: {opened.message}",
                                   opened.retry_after_s, send)  # fmt: skip
@@ -567,14 +660,16 @@ class OpenAIApi:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         outcome = names.OVERFLOW if relayed.end == "done" else names.ERROR
         usage = relayed.usage or {}
+        completion_tokens = _int(usage.get("completion_tokens"), relayed.content_events)
+        ask.add_tokens(completion_tokens)
         listener = ask.engine.listener
         if listener is not None:
             now = time.monotonic()
             listener.finished(ask.level, outcome, operation=ask.request.operation,
                               prompt_tokens=_int(usage.get("prompt_tokens"), len(ask.request.prompt)),
-                              completion_tokens=_int(usage.get("completion_tokens"), relayed.content_events),
+                              completion_tokens=completion_tokens,
                               ttft_s=None if relayed.first_token_at is None else relayed.first_token_at - ask.arrived,
-                              duration_s=now - ask.arrived)  # fmt: skip
+                              duration_s=now - ask.arrived, tenant=ask.label)  # fmt: skip
 
     async def _overflow_whole(self, ask: _Ask, opened: ForwardedStream, spillway: dict[str, Any], headers: Headers,
                               backend: Headers, why: str, capped: int | None, send: Send) -> None:  # fmt: skip
@@ -594,13 +689,14 @@ class OpenAIApi:
         opened.finish(True)
         body[names.OPENAI_FIELD] = spillway
         usage: dict[str, Any] = body["usage"] if isinstance(body.get("usage"), dict) else {}
+        ask.add_tokens(_int(usage.get("completion_tokens"), 0))
         listener = ask.engine.listener
         if listener is not None:
             listener.finished(ask.level, names.OVERFLOW, operation=ask.request.operation,
                               prompt_tokens=_int(usage.get("prompt_tokens"), len(ask.request.prompt)),
                               completion_tokens=_int(usage.get("completion_tokens"), 0),
                               ttft_s=arrived - ask.arrived,
-                              duration_s=time.monotonic() - ask.arrived)  # fmt: skip
+                              duration_s=time.monotonic() - ask.arrived, tenant=ask.label)  # fmt: skip
         if ask.stream:  # a stream asked for and a whole answer given (a backend that does not stream): as chunks
             choice: dict[str, Any] = (
                 body["choices"][0] if body["choices"] and isinstance(body["choices"][0], dict) else {}
@@ -631,7 +727,7 @@ class OpenAIApi:
             await self._answer(send, ask, default, names.FALLBACK_DEFAULT, reason)
             return
         if self.jobs is not None and self.jobs.accepts(ask.engine.name):
-            stored = json.dumps({"path": ask.path, "body": ask.body}).encode()
+            stored = json.dumps({"path": ask.path, "body": ask.body, "tenant": ask.tenant}).encode()
             try:
                 job = await self.jobs.submit(ask.engine.name, None, stored, None)
             except QueueFull:
@@ -650,7 +746,7 @@ class OpenAIApi:
                                       (_JOB_ID, job.id.encode()), (b"location", location.encode()),
                                       *ask.headers()])  # fmt: skip
                 return
-        ask.engine.refused(ask.level)
+        ask.refused()
         raise ApiError(503, message, code=reason, kind="server_error", retry_after_s=retry_s, reason=reason,
                        extra=ask.headers())  # fmt: skip
 
@@ -661,7 +757,7 @@ class OpenAIApi:
         if verdict.action == "fallback":
             completion = self._cached(ask) if verdict.fallback == "cache" else self._default(ask)
             if completion is None:
-                ask.engine.refused(ask.level)
+                ask.refused()
                 what = ("holds no completion of this greedy request" if verdict.fallback == "cache"
                         else "has no default text (policy default_text or the model's fallback_text)")  # fmt: skip
                 reason = "fallback_miss"
@@ -678,7 +774,7 @@ class OpenAIApi:
             if completion is not None:
                 return completion, names.FALLBACK_DEFAULT, "overflow_unsupported"
             verdict = Verdict("refuse", "deadline_unmeetable", verdict.message or "the device cannot take it in time")
-        ask.engine.refused(ask.level)
+        ask.refused()
         assert verdict.reason is not None
         return ApiError(503, verdict.message, code=verdict.reason, kind="server_error",
                         retry_after_s=verdict.retry_after_s, reason=verdict.reason, extra=ask.headers())  # fmt: skip
@@ -924,7 +1020,9 @@ class _GenerativeJobs:
             body = {**stored["body"], "stream": False, "timeout": None}
             body["priority"] = engine.instances[0].scheduler.config.levels  # the lowest level
             plan = self.api.policy.plan_for(self.name) if self.api.policy is not None else None
-            ask = self.api._ask(engine, plan, body, b"", chat, {})
+            tenant = stored.get("tenant")  # its fair share among the tenants at that level
+            tenant = tenant if isinstance(tenant, str) else DEFAULT_TENANT
+            ask = self.api._ask(engine, plan, body, b"", chat, {}, tenant)
         except (ApiError, KeyError, TypeError, AttributeError, ValueError) as exc:
             raise Unservable(f"the request cannot be served any more: {exc}") from None
         try:
@@ -947,6 +1045,25 @@ class _GenerativeJobs:
         spillway = {"outcome": names.QUEUED_ASYNC, "job_id": job_id, "finish_reason": last.finish_reason}
         body = _completion_body(ask, text, last, spillway)
         return json.dumps(body).encode()
+
+
+def _tell(engine: EnginePool, level: int, outcome: str, label: str) -> None:
+    """One answer's outcome in the model's telemetry (spillway.requests), with its tenant's telemetry name (the
+    default tenant's as listeners written before tenants are called, as `GenerationEngine.refused` does)."""
+    listener = engine.listener
+    if listener is None:
+        return
+    if label == DEFAULT_TENANT:
+        listener.outcome(level, outcome)
+    else:
+        listener.outcome(level, outcome, label)
+
+
+async def _debited(chunks: AsyncIterable[Chunk], lease: Lease | None) -> AsyncIterator[Chunk]:
+    async for chunk in chunks:
+        if lease is not None and chunk.tokens:
+            lease.add_tokens(chunk.tokens)  # generated tokens as they come: tokens/s may go below zero
+        yield chunk
 
 
 async def _once(completion: Completion) -> AsyncIterator[Chunk]:

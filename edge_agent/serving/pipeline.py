@@ -4,8 +4,10 @@
                                                                              |  a policy fallback  |  refuse
                      ->  one answer, one outcome, counted once (`RequestOutcome`)
 
-1. `_decode`: the body (bounded), the tensors checked against the model, the scheduling parameters and the
-   deadline budget; anything malformed is a 400 `invalid_request`.
+0. The tenant's quotas take the request in (a `Lease`, released once when it is answered, whichever way) or refuse
+   it before its body is read: 429 `tenant_quota` with `Retry-After`.
+1. `_decode`: the body (bounded), the tensors checked against the model, the scheduling parameters (the priority
+   clamped to the tenant's ceiling) and the deadline budget; anything malformed is a 400 `invalid_request`.
 2. `admission.on_arrival`: the policy's verdict, a frozen value; for `serve`, the scheduler admits or refuses at once
    (no await between the route, the verdict and the admission, so a variant switch never admits a request to a
    version on its way out), and `admission.on_refusal` turns its refusal into overflow or a refusal.
@@ -38,8 +40,10 @@ from edge_agent.scheduling.worker import ExecutionFailed, ModelWorker, Refused, 
 from edge_agent.serving import admission
 from edge_agent.serving.admission import Verdict
 from edge_agent.serving.models import LoadedModel, ModelRegistry
+from edge_agent.tenants import QuotaExceeded, TenantRegistry
 from spillway.contract import names
 from spillway.contract.spec import ModelConfig
+from spillway.contract.tenants import DEFAULT_TENANT
 from spillway.contract.v2 import (
     BodyTooLarge,
     ClientGone,
@@ -103,6 +107,7 @@ class Request:
     model: LoadedModel  # the version that serves it (after a variant switch)
     extra: Headers  # headers every answer carries (the variant that served)
     outcome: RequestOutcome
+    tenant: str = DEFAULT_TENANT
 
     @property
     def worker(self) -> ModelWorker:
@@ -126,8 +131,10 @@ class InferencePipeline:
         forwarder: Forwarder | None = None,
         default_outputs: dict[str, dict[str, np.ndarray]] | None = None,
         jobs: AsyncQueue | None = None,
+        tenants: TenantRegistry | None = None,
     ) -> None:
         self.registry = registry
+        self.tenants = tenants if tenants is not None else TenantRegistry([], None)
         self.max_body_bytes = max_body_bytes
         self.allow_non_finite = allow_non_finite
         self.policy = policy
@@ -138,19 +145,34 @@ class InferencePipeline:
         self._draw = random.Random().random  # noqa: S311 (overflow fractions, not secrets)
 
     async def handle(self, path: str, requested: LoadedModel, name: str, version: str | None,
-                     headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:  # fmt: skip
-        """Answer one inference request for `requested`, the version `name` and `version` name now (the route is
-        taken again once the body has arrived: a variant may have switched meanwhile)."""
-        request = await self._decode(path, name, version, requested, headers, receive, send)
-        if request is None:
+                     headers: dict[bytes, bytes], receive: Receive, send: Send,
+                     tenant: str = DEFAULT_TENANT) -> None:  # fmt: skip
+        """Answer one inference request of `tenant` for `requested`, the version `name` and `version` name now (the
+        route is taken again once the body has arrived: a variant may have switched meanwhile)."""
+        try:  # before the body is read: a tenant over its quota costs the agent next to nothing
+            lease = self.tenants.admit(tenant)
+        except QuotaExceeded as exc:  # counted at level 0, as every refusal before the priority is known
+            await self._refuse(send, RequestOutcome(requested.worker.stats, tenant=tenant), 429, exc.message,
+                               "tenant_quota", retry_after_s=exc.retry_after_s,
+                               details={"tenant": exc.tenant, "quota": exc.quota})  # fmt: skip
             return
+        try:
+            request = await self._decode(path, name, version, requested, headers, receive, send, tenant)
+            if request is not None:
+                await self._carry_out(send, request)
+        finally:  # answered, whichever way (or the client went away meanwhile): the tenant's slot is free again
+            lease.release()
+
+    async def _carry_out(self, send: Send, request: Request) -> None:
+        """The admission verdict for a decoded request, and the path it takes to its one answer."""
         plan = self._plan(request)
         draw = self._draw() if plan is not None and plan.overflow is not None and plan.overflow.fraction else 1.0
         verdict = admission.on_arrival(plan, request.outcome.level, draw)
         future = None
         if verdict.action == "serve":
             try:
-                future = request.worker.admit(request.inputs, request.rows, request.priority, request.timeout_s)
+                future = request.worker.admit(request.inputs, request.rows, request.priority, request.timeout_s,
+                                              tenant=request.tenant)  # fmt: skip
             except ValueError as exc:  # a request the model cannot take (more rows than a batch)
                 await self._refuse(send, request.outcome, 400, str(exc), "invalid_request", extra=request.extra)
                 return
@@ -170,9 +192,10 @@ class InferencePipeline:
     # ---- 1. decode ------------------------------------------------------------------------------------------------
 
     async def _decode(self, path: str, name: str, version: str | None, requested: LoadedModel,
-                      headers: dict[bytes, bytes], receive: Receive, send: Send) -> Request | None:  # fmt: skip
+                      headers: dict[bytes, bytes], receive: Receive, send: Send,
+                      tenant: str = DEFAULT_TENANT) -> Request | None:  # fmt: skip
         """The request, routed and decoded; None when it has been refused (and counted) already."""
-        refused = RequestOutcome(requested.worker.stats)  # level 0: refused before its priority is known
+        refused = RequestOutcome(requested.worker.stats, tenant=tenant)  # level 0: its priority is not known yet
         try:
             body = await read_body(receive, headers.get(b"content-length"), self.max_body_bytes)
         except BodyTooLarge as exc:
@@ -204,9 +227,14 @@ class InferencePipeline:
             await self._refuse(send, refused, 404, str(exc), "unknown_model")
             return None
         extra = [(_H_VARIANT, str(model.version).encode())] if redirected else []
-        level = model.worker.scheduler.resolve_level(priority)
+        scheduler = model.worker.scheduler
+        level = scheduler.resolve_level(priority)
+        ceiling = min(self.tenants.ceiling(tenant, level), len(scheduler.config.levels))  # (1 is the highest level)
+        if ceiling > level:  # above the tenant's ceiling: served at it (or at the model's lowest level), not refused
+            level = priority = ceiling
         return Request(path, body, headers, decoded, {i.name: i.array for i in decoded.inputs}, rows, priority,
-                       timeout_s, model, extra, RequestOutcome(model.worker.stats, level))  # fmt: skip
+                       timeout_s, model, extra, RequestOutcome(model.worker.stats, level, tenant=tenant),
+                       tenant)  # fmt: skip
 
     # ---- 2. the verdict's inputs ----------------------------------------------------------------------------------
 
@@ -268,10 +296,15 @@ class InferencePipeline:
         remaining = None if deadline is None else deadline - time.monotonic()
         content_type = request.headers.get(b"content-type", b"application/json").decode("latin-1")
         forwarded_headers = {"content-type": content_type}
-        length = request.headers.get(_H_HEADER_LENGTH)
+        raw_length = request.headers.get(_H_HEADER_LENGTH)
+        body, length = request.body, None if raw_length is None else int(raw_length)
+        if scheduling_parameters(request.decoded.parameters)[0] != request.priority:
+            # Clamped to its tenant's ceiling here: the cloud serves it at that level too, not at the one it asked.
+            body, length = with_parameters(body, length, {"priority": request.priority})
         if length is not None:
-            forwarded_headers[names.H_HEADER_LENGTH] = length.decode("latin-1")
-        result = await self.forwarder.forward(request.path, request.body, forwarded_headers, remaining)
+            forwarded_headers[names.H_HEADER_LENGTH] = str(length)
+        result = await self.forwarder.forward(request.path, body, forwarded_headers, remaining,
+                                              tenant=request.tenant)  # fmt: skip
         if not isinstance(result, Forwarded):
             await self._fallback_chain(send, request, result.reason, f"{why}; overflow failed: {result.message}",
                                        result.retry_after_s)  # fmt: skip
@@ -400,15 +433,16 @@ class InferencePipeline:
 
     @staticmethod
     async def _refuse(send: Send, outcome: RequestOutcome | None, status: int, message: str, reason: str, *,
-                      retry_after_s: float | None = None, extra: Headers | None = None) -> None:  # fmt: skip
+                      retry_after_s: float | None = None, extra: Headers | None = None,
+                      details: dict[str, Any] | None = None) -> None:  # fmt: skip
         """An answer that is not a result: the outcome `rejected` and its reason, in the body and the headers
-        (Retry-After on a 503); counted in `outcome` unless the caller counts it (None)."""
+        (Retry-After on a 503 or 429); counted in `outcome` unless the caller counts it (None)."""
         headers = list(extra or ())
         if retry_after_s is not None:
             headers.insert(0, (_H_RETRY_AFTER, str(max(1, round(retry_after_s))).encode()))
         if outcome is not None:
             outcome.refused()
-        await reject(send, status, message, reason, extra=headers)
+        await reject(send, status, message, reason, extra=headers, details=details)
 
 
 def _check_requested_outputs(requested: list[RequestedOutput] | None, config: ModelConfig) -> None:
@@ -419,9 +453,11 @@ def _check_requested_outputs(requested: list[RequestedOutput] | None, config: Mo
             raise TensorError(f"requested output {output.name!r}: the model has no such output ({sorted(known)})")
 
 
-async def reject(send: Send, status: int, message: str, reason: str, extra: Headers | None = None) -> None:
-    """The answer that is not a result: the outcome `rejected` and its reason, in the body and the headers."""
-    body = json.dumps({"error": message, "reason": reason, "outcome": names.REJECTED}).encode()
+async def reject(send: Send, status: int, message: str, reason: str, extra: Headers | None = None,
+                 details: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """The answer that is not a result: the outcome `rejected` and its reason, in the body and the headers (`details`:
+    more fields of the body, such as the tenant and the quota of a `tenant_quota` refusal)."""
+    body = json.dumps({"error": message, "reason": reason, "outcome": names.REJECTED, **(details or {})}).encode()
     headers = [(_H_OUTCOME, b"rejected"), (_H_REASON, reason.encode()), *(extra or [])]
     await respond(send, status, body, extra=headers)
 

@@ -19,11 +19,13 @@ from edge_agent.policy.apply import PolicyApplier
 from edge_agent.policy.cache import PolicyCache
 from edge_agent.policy.plan import PolicyRefused, ServedDecoder, ServedModel, validate_default_outputs
 from edge_agent.runtime.config import ModelConfigError
+from edge_agent.runtime.memory import MemoryGuard
 from edge_agent.runtime.repository import UnknownModelError, check_onnx_graph, load_repository
 from edge_agent.scheduling.core import Scheduler, SchedulerConfig, level_policies
 from edge_agent.scheduling.worker import ModelWorker
 from edge_agent.serving.app import InferenceApp
 from edge_agent.serving.models import LoadedModel, ModelRegistry
+from edge_agent.tenants import TenantRegistry
 from spillway.contract.policy import Overflow
 from spillway.contract.spec import ModelConfig, ModelVersion
 from spillway.graceful import GracefulServer
@@ -63,48 +65,57 @@ def scheduler_config(model: ModelConfig, agent: AgentConfig) -> SchedulerConfig:
     )
 
 
-def load_model(version: ModelVersion, agent: AgentConfig) -> LoadedModel:
+def load_model(version: ModelVersion, agent: AgentConfig, memory: MemoryGuard | None = None) -> LoadedModel:
     """Create the model's instances (each on the GPU its `instance_group.gpus` pins it to, else the agent's
     `device_id`; a pinned GPU this machine does not have is refused, naming the field), measure its warm-up profile,
-    and put a worker in front."""
+    and put a worker in front. Before anything loads, `memory` (the agent's guard) checks the model's need on each
+    device against the free memory, its `gpu_mem_limit` and the agent's GPU budget; it measures what the load took
+    and holds it against the budget until the registry retires the version."""
     import onnxruntime as ort
 
     from edge_agent.runtime import gpu
     from edge_agent.runtime.config import check_instance_gpus, pinning_field, placed_devices, read_config_message
     from edge_agent.runtime.profile import warmup_batch_sizes
-    from edge_agent.runtime.runner import OrtRunner, RunnerError, choose_providers
+    from edge_agent.runtime.runner import RunnerError, create_runner, runner_providers
     from edge_agent.serving.triton_config import completed_config
 
     threads = agent.intra_op_threads or (os.cpu_count() or 1)
     message = read_config_message(version.config)
     count = version.config.instance_count
     devices = placed_devices(message, count, agent.device_id)
-    on_gpu = any(p in gpu.GPU_PROVIDERS for p in choose_providers(ort.get_available_providers(), agent.providers))
+    chosen = runner_providers(version, ort.get_available_providers(), agent.providers)
+    on_gpu = any(p in gpu.GPU_PROVIDERS for p in chosen)
     present = gpu.device_count() if on_gpu else None  # None (no NVML): a GPU not there fails its session, said below
     if present is not None:
         check_instance_gpus(message, present, version.config.source)
-    runners = []
-    for index, device in enumerate(devices):
-        try:
-            runners.append(OrtRunner(version, intra_op_threads=threads, inter_op_threads=agent.inter_op_threads,
-                                     providers=agent.providers, gpu_mem_limit=agent.gpu_mem_limit,
-                                     device_id=device))  # fmt: skip
-        except RunnerError as exc:
-            field = pinning_field(message, count, index) if on_gpu else None
-            if field is None:
-                raise
-            raise RunnerError(f"{exc} (config field '{field}' of {version.config.source} pins instance {index} "
-                              f"to GPU {device})") from exc  # fmt: skip
-    profile = runners[0].warm_up(warmup_batch_sizes(max(1, version.config.max_batch_size)))
-    scheduler = Scheduler(scheduler_config(version.config, agent), profile)
-    worker = ModelWorker(scheduler, list(runners), profile, batching=version.config.max_batch_size > 0,
-                         name=f"{version.config.name}-v{version.version}")  # fmt: skip
-    providers = tuple(runners[0].providers)
+    memory = memory or MemoryGuard.for_agent(agent)
+    need = memory.need_of(version, placements=devices, providers=chosen, agent_cap=agent.gpu_mem_limit)
+    with memory.loading(need) as loading:
+        runners = []
+        for index, device in enumerate(devices):
+            try:
+                runners.append(create_runner(version, intra_op_threads=threads,
+                                             inter_op_threads=agent.inter_op_threads, providers=agent.providers,
+                                             gpu_mem_limit=need.cap, device_id=device,
+                                             state_dir=agent.state_dir))  # fmt: skip
+            except RunnerError as exc:
+                field = pinning_field(message, count, index) if on_gpu else None
+                if field is None:
+                    raise
+                raise RunnerError(f"{exc} (config field '{field}' of {version.config.source} pins instance {index} "
+                                  f"to GPU {device})") from exc  # fmt: skip
+        profile = runners[0].warm_up(warmup_batch_sizes(max(1, version.config.max_batch_size)))
+        scheduler = Scheduler(scheduler_config(version.config, agent), profile)
+        worker = ModelWorker(scheduler, list(runners), profile, batching=version.config.max_batch_size > 0,
+                             name=f"{version.config.name}-v{version.version}")  # fmt: skip
+        providers = tuple(runners[0].providers)
+        model = LoadedModel(version.config, version.version, worker, providers,
+                            completed_config(message, version.config, providers))  # fmt: skip
+        loading.done(model)
     placed = f" (instances on devices {list(devices)})" if set(devices) != {agent.device_id} else ""
     log.info("loaded %s v%d on %s%s; warm-up %s", version.config.name, version.version, list(providers), placed,
              {k: f"{v * 1e3:.2f} ms" for k, v in profile.snapshot().items()})  # fmt: skip
-    return LoadedModel(version.config, version.version, worker, providers,
-                       completed_config(message, version.config, providers))  # fmt: skip
+    return model
 
 
 def build_registry(agent: AgentConfig) -> ModelRegistry:
@@ -131,7 +142,12 @@ def build_registry(agent: AgentConfig) -> ModelRegistry:
         for name, decoder in found.items():
             message = None if decoder.config is None else read_config_message(decoder.config)
             decoders[name] = (message, chosen, decoder.folder.name)
-    models = [load_model(version, agent) for version in repository]
+    memory = MemoryGuard.for_agent(agent)  # one per agent: its GPU budget counts every model it loads
+    memory.starting = True
+    try:
+        models = [load_model(version, agent, memory) for version in repository]
+    finally:
+        memory.starting = False
     try:
         registry = ModelRegistry(models, defaults=agent.default_versions)
     except UnknownModelError as exc:
@@ -143,10 +159,11 @@ def build_registry(agent: AgentConfig) -> ModelRegistry:
         log_config_hints(name, read_config_message(first.config), first.providers)
     for name, (message, chosen, _) in decoders.items():
         log_config_hints(name, message, chosen)
+    registry.memory = memory
     registry.source = ModelSource(
         agent.model_repository,
-        load=lambda version: load_model(version, agent),
-        check_fits=lambda version: check_variant_fits(version, agent),
+        load=lambda version: load_model(version, agent, memory),
+        check_fits=lambda version: check_variant_fits(version, agent, memory),
         defaults=dict(agent.default_versions),
         generative={name: generative_config(name, version, message, chosen)
                     for name, (message, chosen, version) in decoders.items()},
@@ -154,46 +171,40 @@ def build_registry(agent: AgentConfig) -> ModelRegistry:
     return registry
 
 
-def load_variant(version: ModelVersion, agent: AgentConfig) -> LoadedModel:
+def load_variant(version: ModelVersion, agent: AgentConfig, memory: MemoryGuard | None = None) -> LoadedModel:
     """Load a version a policy asks for, which the start-up checks may not have seen: check its graph first."""
     if version.path.name == "model.onnx":
         check_onnx_graph(version.config, version.path)
-    return load_model(version, agent)
+    return load_model(version, agent, memory)
 
 
-def check_variant_fits(version: ModelVersion, agent: AgentConfig) -> None:
-    """Refuse (GpuMemoryError, HostMemoryError) a version that would not fit beside the loaded ones, on each GPU its
-    instances are pinned to (`instance_group.gpus`; else the agent's `device_id`)."""
+def check_variant_fits(version: ModelVersion, agent: AgentConfig, memory: MemoryGuard | None = None) -> None:
+    """Refuse (GpuMemoryError, HostMemoryError, GpuBudgetError) a version that would not fit beside the loaded ones,
+    on each device its instances are placed on (`instance_group.gpus`; else the agent's `device_id`), under its
+    `gpu_mem_limit` and the agent's GPU budget."""
     import onnxruntime as ort
 
     from edge_agent.runtime.config import placed_devices, read_config_message
-    from edge_agent.runtime.memory import check_load_fits
-    from edge_agent.runtime.runner import choose_providers
+    from edge_agent.runtime.runner import runner_providers
 
-    providers = choose_providers(ort.get_available_providers(), agent.providers)
+    providers = runner_providers(version, ort.get_available_providers(), agent.providers)
     devices = placed_devices(read_config_message(version.config), version.config.instance_count, agent.device_id)
-    for device in sorted(set(devices)):
-        check_load_fits(version, providers, device_id=device, headroom=agent.load_headroom_bytes)
+    memory = memory or MemoryGuard.for_agent(agent)
+    memory.check(memory.need_of(version, placements=devices, providers=providers, agent_cap=agent.gpu_mem_limit))
 
 
-def load_decoder_version(name: str, model: GenerativeModel, version: int, agent: AgentConfig) -> EnginePool:
+def load_decoder_version(name: str, model: GenerativeModel, version: int, agent: AgentConfig,
+                         memory: MemoryGuard | None = None) -> EnginePool:  # fmt: skip
     """Load another version of a generative model (a policy's variant, or the default again), with the model's
-    config and the agent's settings, after checking its files fit beside what runs (GpuMemoryError,
-    HostMemoryError); the load itself checks the KV budget against the memory free then (ModelConfigError)."""
-    import onnxruntime as ort
-
+    config and the agent's settings; `memory` checks its need (weights, measured at an earlier load or estimated,
+    plus its KV budget) against the free memory, its cap and the GPU budget before it loads (GpuMemoryError,
+    HostMemoryError), and the load itself the KV budget against the memory free then (ModelConfigError)."""
     from edge_agent.generation.load import load_engine
-    from edge_agent.runtime.memory import check_folder_fits
-    from edge_agent.runtime.runner import PREFERRED_PROVIDERS, choose_providers
 
     folder = model.folder.parent / str(version)
-    wanted = agent.providers or [p for p in PREFERRED_PROVIDERS if p != "TensorrtExecutionProvider"]
-    providers = choose_providers(ort.get_available_providers(), wanted)
-    check_folder_fits(f"{name} v{version}", folder, providers, device_id=agent.device_id,
-                      headroom=agent.load_headroom_bytes)  # fmt: skip
     return load_engine(name, folder, agent.generation, model=model.config, threads=agent.intra_op_threads,
-                       providers=agent.providers, device_id=agent.device_id,
-                       gpu_mem_limit=agent.gpu_mem_limit)  # fmt: skip
+                       providers=agent.providers, device_id=agent.device_id, gpu_mem_limit=agent.gpu_mem_limit,
+                       memory=memory or MemoryGuard.for_agent(agent))  # fmt: skip
 
 
 @dataclass
@@ -210,6 +221,7 @@ class Agent:
     forwarder: Forwarder | None = None
     jobs: AsyncQueue | None = None
     engines: dict[str, EnginePool] = field(default_factory=dict)
+    tenants: TenantRegistry | None = None
 
     def status(self) -> dict[str, Any]:
         """The body of `GET /v2/spillway/status`."""
@@ -229,6 +241,7 @@ class Agent:
             ],
             "telemetry": self.telemetry.json(),
             "generative": self.applier.generative_json(),
+            "tenants": None if self.tenants is None else self.tenants.json(),
         }
 
     async def start(self) -> None:
@@ -307,28 +320,42 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         )
         for name in registry.names()
     }
-    engines = _generative(config, generative)
+    engines = _generative(config, generative, registry.memory)
     decoders = {name: ServedDecoder(model.folder.parent, int(model.folder.name), overflow=local_overflow)
                 for name, model in generative.items()}  # fmt: skip
+    tenants = _tenants(config)
     agent_id = settings.agent_id  # the config's; else OTEL_RESOURCE_ATTRIBUTES' service.instance.id; else the host
     polling = config.control_plane is not None and config.agent_token is not None
     applier = PolicyApplier(
         registry,
         served,
-        load=lambda version: load_variant(version, config),
-        check_fits=lambda version: check_variant_fits(version, config),
+        load=lambda version: load_variant(version, config, registry.memory),
+        check_fits=lambda version: check_variant_fits(version, config, registry.memory),
         cache=PolicyCache(config.state_dir, agent_id) if polling else None,
         agent_id=agent_id,
         engines=engines,
         decoders=decoders,
-        load_engine=lambda name, version: load_decoder_version(name, generative[name], version, config),
+        load_engine=lambda name, version: load_decoder_version(
+            name, generative[name], version, config, registry.memory
+        ),
+        tenants=tenants,
     )
+
+    def weigh(weights: dict[str, float]) -> None:
+        """The tenants' weights to every scheduler that serves them: V2 workers (retiring ones too) and pools."""
+        for worker in registry.workers():
+            worker.set_weights(weights)
+        for pool in [*engines.values(), *applier.retiring_engines]:
+            pool.set_weights(weights)
+
+    weigh(tenants.weights())
+    tenants.on_change(weigh)
     from edge_agent.telemetry import LiveTelemetry, TelemetryConfigError
     from edge_agent.telemetry.otlp import describe
 
     try:  # always: /metrics needs no destination
         telemetry = LiveTelemetry(settings, registry, policy=lambda: (applier.plan.version or 0, applier.plan.source),
-                                  engines=engines)  # fmt: skip
+                                  engines=engines, tenant_label=tenants.label)  # fmt: skip
     except TelemetryConfigError as exc:
         raise ModelConfigError(f"telemetry: {exc}") from None
     applier.telemetry = telemetry
@@ -375,7 +402,7 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         openai = OpenAIApi(engines, max_body_bytes=config.max_body_bytes,
                            default_max_tokens=config.generation.default_max_tokens, policy=applier,
                            forwarder=forwarder, cache_bytes=config.fallback_cache_bytes,
-                           cache_ttl_s=config.overflow.cache_ttl_s, jobs=jobs)  # fmt: skip
+                           cache_ttl_s=config.overflow.cache_ttl_s, jobs=jobs, tenants=tenants)  # fmt: skip
     app = InferenceApp(
         registry,
         token=config.token.get_secret_value() if config.token else None,
@@ -387,15 +414,25 @@ def build_agent(config: AgentConfig, registry: ModelRegistry) -> Agent:
         default_outputs=defaults,
         jobs=jobs,
         openai=openai,
+        tenants=tenants,
     )
     app.engines = engines
     app.metrics = telemetry.metrics_text
     app.control.on_loaded.append(telemetry.attach)
-    agent = Agent(config, registry, app, applier, responses, telemetry, poller, forwarder, jobs, engines)
+    app.control.on_loaded.append(lambda model: model.worker.set_weights(tenants.weights()))
+    agent = Agent(config, registry, app, applier, responses, telemetry, poller, forwarder, jobs, engines, tenants)
     app.status = agent.status
     app.on_startup.append(agent.start)
     app.on_shutdown.append(agent.stop)
     return agent
+
+
+def _tenants(config: AgentConfig) -> TenantRegistry:
+    """The configured tenants and the operator's token (ModelConfigError: a tenant has the operator's token)."""
+    try:
+        return TenantRegistry(config.tenant_list(), config.token.get_secret_value() if config.token else None)
+    except ValueError as exc:
+        raise ModelConfigError(f"agent config tenants: {exc}") from None
 
 
 def _generative_models(config: AgentConfig) -> dict[str, GenerativeModel]:
@@ -404,8 +441,10 @@ def _generative_models(config: AgentConfig) -> dict[str, GenerativeModel]:
     return generative_models(config.model_repository)
 
 
-def _generative(config: AgentConfig, found: dict[str, GenerativeModel]) -> dict[str, EnginePool]:
-    """An engine for each generative model of the repository (ModelConfigError naming what does not fit)."""
+def _generative(config: AgentConfig, found: dict[str, GenerativeModel],
+                memory: MemoryGuard | None = None) -> dict[str, EnginePool]:  # fmt: skip
+    """An engine for each generative model of the repository (ModelConfigError naming what does not fit; memory
+    errors from the agent's guard)."""
     if not found:
         return {}
     from edge_agent.generation.load import load_engine
@@ -414,7 +453,8 @@ def _generative(config: AgentConfig, found: dict[str, GenerativeModel]) -> dict[
     for name, model in found.items():
         engines[name] = load_engine(name, model.folder, config.generation, model=model.config,
                                     threads=config.intra_op_threads, providers=config.providers,
-                                    device_id=config.device_id, gpu_mem_limit=config.gpu_mem_limit)  # fmt: skip
+                                    device_id=config.device_id, gpu_mem_limit=config.gpu_mem_limit,
+                                    memory=memory)  # fmt: skip
     return engines
 
 

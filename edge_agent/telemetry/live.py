@@ -38,6 +38,7 @@ class LiveTelemetry:
         factory: Callable[[TelemetrySettings], AgentTelemetry] = AgentTelemetry,
         policy: Callable[[], tuple[int, str]] | None = None,
         engines: dict[str, EnginePool] | None = None,
+        tenant_label: Callable[[str], str] | None = None,
     ) -> None:
         """Args:
         base: the settings from the agent's config (a policy overrides buckets and interval only).
@@ -45,6 +46,8 @@ class LiveTelemetry:
         factory: builds the AgentTelemetry (tests give it an in-memory reader).
         policy: the active policy's (version, source), for the `spillway.policy.version` gauge.
         engines: the generative models' pools by name: the dict itself, read at every collection.
+        tenant_label: a request's tenant as the `spillway.tenant` attribute names it (the tenants registry's `label`:
+            bounded); None: as it is.
         """
         self.base = base
         self.registry = registry
@@ -54,11 +57,14 @@ class LiveTelemetry:
         self.retiring: list[EnginePool] = []  # switched away from, still finishing streams
         self._closed_preemptions: dict[str, int] = {}  # by model: preemptions of its pools closed since start
         self._pools = threading.Lock()  # a collection (the exporter's thread) sees a pool in one place, never two
+        self.tenant_label = tenant_label
         self.settings = base
         self.current = self._start(base)
 
     def _start(self, settings: TelemetrySettings) -> AgentTelemetry:
         telemetry = self._factory(settings)
+        if self.tenant_label is not None:
+            telemetry.tenant_label = self.tenant_label
         for model in [*self.registry.all(), *self.registry.retiring]:
             model.worker.stats.listener = telemetry.recorder(model.config.name, model.version)
 

@@ -22,6 +22,7 @@ from edge_agent.telemetry.prometheus import PrometheusExposition
 from edge_agent.telemetry.settings import OtlpDestination, TelemetryConfigError, TelemetrySettings
 from spillway.contract import names
 from spillway.contract.names import DURATIONS
+from spillway.contract.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("spillway.agent.telemetry")
 
@@ -110,6 +111,9 @@ class AgentTelemetry:
                                         unit="{sequence}", description="sequences preempted (recomputed)")  # fmt: skip
         if probes:
             register_probes(meter)
+        # A request's tenant as its attribute says it: the tenants registry's `label` (a known tenant, `default` or
+        # `other`), so the attribute's values stay bounded whatever names come and go.
+        self.tenant_label: Callable[[str], str] = _as_is
         self._closed = False
 
     def watch_engines(self, source: Callable[[], Iterable[tuple[str, dict[str, Any]]]]) -> None:
@@ -165,29 +169,34 @@ class AgentTelemetry:
             log.warning("telemetry shutdown failed", exc_info=True)
 
 
+def _as_is(name: str) -> str:
+    return name
+
+
 class ModelRecorder:
-    """One model version's hooks, with its attribute sets built once per (priority, outcome)."""
+    """One model version's hooks, with its attribute sets built once per (priority, outcome, tenant)."""
 
     def __init__(self, telemetry: AgentTelemetry, model: str, version: str) -> None:
         self.telemetry = telemetry
         self.model, self.version = model, version
-        self._attributes: dict[tuple[int, str], dict[str, Any]] = {}
+        self._attributes: dict[tuple[int, str, str], dict[str, Any]] = {}
         self._batch_attributes = {names.ATTR_MODEL: model, names.ATTR_VERSION: version}
 
-    def attributes(self, priority: int, outcome: str) -> dict[str, Any]:
-        key = (priority, outcome)
+    def attributes(self, priority: int, outcome: str, tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
+        key = (priority, outcome, self.telemetry.tenant_label(tenant))
         found = self._attributes.get(key)
         if found is None:
             found = {names.ATTR_MODEL: self.model, names.ATTR_VERSION: self.version, names.ATTR_PRIORITY: priority,
-                     names.ATTR_OUTCOME: outcome}  # fmt: skip
+                     names.ATTR_OUTCOME: outcome, names.ATTR_TENANT: key[2]}  # fmt: skip
             self._attributes[key] = found
         return found
 
-    def outcome(self, priority: int, outcome: str) -> None:
-        self.telemetry.requests.add(1, self.attributes(priority, outcome))
+    def outcome(self, priority: int, outcome: str, tenant: str = DEFAULT_TENANT) -> None:
+        self.telemetry.requests.add(1, self.attributes(priority, outcome, tenant))
 
-    def durations(self, priority: int, outcome: str, queue_s: float, compute_s: float, total_s: float) -> None:
-        attributes = self.attributes(priority, outcome)
+    def durations(self, priority: int, outcome: str, queue_s: float, compute_s: float, total_s: float,
+                  tenant: str = DEFAULT_TENANT) -> None:  # fmt: skip
+        attributes = self.attributes(priority, outcome, tenant)
         t = self.telemetry
         t.request_duration.record(total_s, attributes)
         t.queue_duration.record(queue_s, attributes)
@@ -210,18 +219,21 @@ class GenerationRecorder:
     def step(self, tokens: int) -> None:
         self.telemetry.step_tokens.record(tokens, {names.ATTR_MODEL: self.model})
 
-    def outcome(self, priority: int, outcome: str) -> None:
+    def outcome(self, priority: int, outcome: str, tenant: str = DEFAULT_TENANT) -> None:
         self.telemetry.requests.add(1, {names.ATTR_MODEL: self.model, names.ATTR_VERSION: self.version,
-                                        names.ATTR_PRIORITY: priority, names.ATTR_OUTCOME: outcome})  # fmt: skip
+                                        names.ATTR_PRIORITY: priority, names.ATTR_OUTCOME: outcome,
+                                        names.ATTR_TENANT: self.telemetry.tenant_label(tenant)})  # fmt: skip
 
     def finished(self, priority: int, outcome: str | None, *, operation: str, prompt_tokens: int,
-                 completion_tokens: int, ttft_s: float | None, duration_s: float) -> None:  # fmt: skip
+                 completion_tokens: int, ttft_s: float | None, duration_s: float,
+                 tenant: str = DEFAULT_TENANT) -> None:  # fmt: skip
         """One stream's end: its outcome in `spillway.requests` (None: counted elsewhere, as an async job is when
-        accepted) and its GenAI histograms."""
+        accepted) and its GenAI histograms, each with the request's tenant."""
         if outcome is not None:
-            self.outcome(priority, outcome)
+            self.outcome(priority, outcome, tenant)
         t = self.telemetry
-        attributes = {names.ATTR_GENAI_MODEL: self.model, names.ATTR_GENAI_OPERATION: operation}
+        attributes = {names.ATTR_GENAI_MODEL: self.model, names.ATTR_GENAI_OPERATION: operation,
+                      names.ATTR_TENANT: t.tenant_label(tenant)}  # fmt: skip
         t.genai_duration.record(duration_s, attributes)
         if ttft_s is not None:
             t.ttft.record(ttft_s, attributes)

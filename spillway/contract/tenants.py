@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # tenant the agent no longer knows (removed while its requests were in flight): neither may be configured.
 DEFAULT_TENANT = "default"
 OTHER_TENANT = "other"
-RESERVED_NAMES = frozenset({OTHER_TENANT})
+RESERVED_NAMES = frozenset({DEFAULT_TENANT, OTHER_TENANT})
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 MAX_TENANTS = 256
@@ -65,7 +65,10 @@ class Tenant(TenantLimits):
     @classmethod
     def _not_reserved(cls, value: str) -> str:
         if value in RESERVED_NAMES:
-            raise ValueError(f"'{value}' is reserved (telemetry's name for tenants the agent does not know)")
+            raise ValueError(
+                f"'{value}' is reserved ('default': the operator's own token; 'other': telemetry's name "
+                "for tenants the agent does not know)"
+            )
         return value
 
 

@@ -130,7 +130,7 @@ def test_instruments_attributes_and_buckets() -> None:
     assert list(duration.explicit_bounds) == [0.005, 0.05, 0.5]  # configured ms, exported in seconds
     assert list(duration.bucket_counts) == [0, 1, 1, 0]
     assert duration.attributes == {"spillway.model": "mlp", "spillway.model.version": "1", "spillway.priority": 1,
-                                   "spillway.outcome": "local"}  # fmt: skip
+                                   "spillway.outcome": "local", "spillway.tenant": "default"}  # fmt: skip
     assert points["spillway.batch.size"][0].sum == 2
     assert points["spillway.queue.depth"][0].value == 7
     resource = reader.get_metrics_data().resource_metrics[0].resource.attributes  # type: ignore[union-attr]
@@ -229,12 +229,13 @@ def test_the_prometheus_text_has_every_instrument_of_the_otlp_stream_with_the_sa
     assert set(families) == {*expected.values(), "target_info"} | ({"system_cpu_utilization_ratio"} & set(families))
 
     model = (("spillway_model", "mlp"), ("spillway_model_version", "2"))
-    local = (*model, ("spillway_outcome", "local"), ("spillway_priority", "1"))
+    tenant = (("spillway_tenant", "default"),)
+    local = (*model, ("spillway_outcome", "local"), ("spillway_priority", "1"), *tenant)
     assert _samples(families["spillway_requests"]) == {
         ("spillway_requests_total", local): 2,
-        ("spillway_requests_total", (*model, ("spillway_outcome", "rejected"), ("spillway_priority", "3"))): 1,
+        ("spillway_requests_total", (*model, ("spillway_outcome", "rejected"), ("spillway_priority", "3"), *tenant)): 1,
         ("spillway_requests_total", (("spillway_model", "tiny-lm"), ("spillway_model_version", "1"),
-                                     ("spillway_outcome", "local"), ("spillway_priority", "1"))): 1,
+                                     ("spillway_outcome", "local"), ("spillway_priority", "1"), *tenant)): 1,
     }  # fmt: skip
     durations = _samples(families["spillway_request_duration_seconds"])
     name = "spillway_request_duration_seconds"
