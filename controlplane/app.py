@@ -15,7 +15,7 @@ from sqlalchemy import text
 
 from controlplane import __version__
 from controlplane.api import access as access_routes
-from controlplane.api import agent_metrics, events, ingest, monitoring, policy, status
+from controlplane.api import agent_metrics, events, ingest, monitoring, policy, status, tenants
 from controlplane.api.authn import Authenticate
 from controlplane.api.deps import Viewer, require_admin, require_editor, require_viewer
 from controlplane.api.errors import install_error_handlers
@@ -135,6 +135,7 @@ def _api_router(settings: Settings, gateway: Gateway) -> APIRouter:
     api.include_router(status.router)
     api.include_router(agent_metrics.router)
     api.include_router(policy.router)
+    api.include_router(tenants.router)
     return api
 
 
@@ -244,6 +245,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )  # fmt: skip
     app.state.monitoring = ControlPlaneMetrics(lambda: getattr(app.state, "sessionmaker", None), settings.stale_after_s)
     gateway = Gateway(GatewayConfig.from_settings(settings), app.state.monitoring.gateway)
+    app.state.monitoring.gateway.watch(gateway.pool.snapshot)  # per-tenant refusals, read at each scrape
     app.state.gateway = gateway
     install_error_handlers(app)
     # Added last is outermost. Inference to the gateway first, on its own fast path (its own authentication,

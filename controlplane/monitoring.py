@@ -1,6 +1,6 @@
 """The control plane's own metrics, for Prometheus: HTTP requests per route template, OTLP data points ingested,
-agents by status, the overflow gateway per backend (docs/gateway.md), and the process. Each app has its own
-registry (tests build many apps in one process).
+agents by status, the overflow gateway per backend (and its refusals per tenant its `tenant_share` names;
+docs/gateway.md), and the process. Each app has its own registry (tests build many apps in one process).
 
 Labels are bounded: routes are templates (`/api/v1/slos/{item_id}`), never raw paths, and a request answered
 before or without routing (bad credentials, an oversized body, an unknown path) is `route="(unrouted)"`.
@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -24,7 +25,7 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session, sessionmaker
@@ -76,6 +77,44 @@ class AgentStatusCollector(Collector):
         )
 
 
+class GatewayTenantCollector(Collector):
+    """`spillway_gateway_tenant_refusals_total{backend, tenant}` read from the gateway's backends at scrape time
+    (their `tenant_refused`, as `GET /api/v1/status` shows it): requests refused (429 `tenant_quota`) for holding
+    their share of a backend and of every other one with room. Bounded: only the tenants a backend's `tenant_share`
+    names, each from 0; a backend's count restarts when the process does (or the backend is deleted)."""
+
+    NAME = "spillway_gateway_tenant_refusals"
+
+    def __init__(self) -> None:
+        self.snapshot: Callable[[], Iterable[Mapping[str, Any]]] | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterable[Metric]:
+        if self.snapshot is None:  # no gateway watched (yet)
+            return
+        try:
+            backends = list(self.snapshot())
+        except Exception:  # read while the gateway changes it: the other metrics still go out
+            log.warning("could not read the gateway's tenant refusals for /metrics", exc_info=True)
+            return
+        family = self._family()
+        for backend in backends:
+            refused = backend.get("tenant_refused") or {}
+            for tenant in sorted(backend.get("tenant_share") or {}):
+                family.add_metric([str(backend["name"]), tenant], float(refused.get(tenant, 0)))
+        yield family
+
+    @classmethod
+    def _family(cls) -> CounterMetricFamily:
+        return CounterMetricFamily(
+            cls.NAME,
+            "requests of a tenant refused for holding its tenant_share of this backend (and of every other with room)",
+            labels=["backend", "tenant"],
+        )
+
+
 GATEWAY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -116,6 +155,12 @@ class GatewayMetrics:
             ["reason"],
             registry=registry,
         )
+        self.tenant_refusals = GatewayTenantCollector()
+        registry.register(self.tenant_refusals)
+
+    def watch(self, snapshot: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
+        """Read the per-tenant refusals from `snapshot` (the gateway's `BackendPool.snapshot`) at each scrape."""
+        self.tenant_refusals.snapshot = snapshot
 
     def forget(self, backend: str) -> None:
         """A deleted (or renamed) backend's gauge goes; its counters stay until the process restarts."""
@@ -197,4 +242,12 @@ class HttpMetrics:
             self.metrics.observe_http(route or UNROUTED, scope["method"], status, time.perf_counter() - started)
 
 
-__all__ = ["CONTENT_TYPE", "UNROUTED", "AgentStatusCollector", "ControlPlaneMetrics", "GatewayMetrics", "HttpMetrics"]
+__all__ = [
+    "CONTENT_TYPE",
+    "UNROUTED",
+    "AgentStatusCollector",
+    "ControlPlaneMetrics",
+    "GatewayMetrics",
+    "GatewayTenantCollector",
+    "HttpMetrics",
+]

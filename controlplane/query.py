@@ -9,6 +9,11 @@ namespaced carry the old ones (`model`, `outcome`, ...), and rows stored before 
 receiver renames them in what it stores now, and such a row's series is the one its renamed metric and attributes
 hash to, so old and new rows of one series are one series.
 
+Request metrics carry the tenant a request belonged to (`spillway.tenant`); a rollup without it (an agent from before
+tenants) is the `default` tenant's (`tenant_of`). The summary can be narrowed to one tenant (its request, latency and
+GenAI figures; batches, queue depths, device and generation gauges are the device's, whoever queued) and lists every
+tenant's requests, outcomes, share of the requests served on the device and latency (`by_tenant`).
+
 Histograms keep OTLP's explicit-bucket layout (bucket i holds (bounds[i-1], bounds[i]], the last one is +Inf).
 Percentiles are estimated like Prometheus' `histogram_quantile`: linear interpolation inside the bucket that holds
 the rank, so an estimate is always within the bucket of the true value. Rollups of one metric with different
@@ -42,6 +47,7 @@ from spillway.contract.names import (
     ATTR_MODEL,
     ATTR_OUTCOME,
     ATTR_PRIORITY,
+    ATTR_TENANT,
     ATTR_VERSION,
     BATCH_SIZE,
     COMPUTE_DURATION,
@@ -60,6 +66,7 @@ from spillway.contract.names import (
 )
 from spillway.contract.names import DURATIONS as _DURATIONS
 from spillway.contract.names import LOCAL as SERVED
+from spillway.contract.tenants import DEFAULT_TENANT
 
 """Latency, queue and compute times are those of requests the device served itself, as the latency SLI counts
 them: a request refused after waiting (a deadline that passed in the queue) would otherwise read as a slow one."""
@@ -218,6 +225,68 @@ class _Generation:
     # metric -> minute -> series -> (last, last)
     gauges: dict[str, dict[datetime, dict[str, tuple[float, float]]]] = field(default_factory=lambda: defaultdict(dict))
     preemptions: float = 0.0
+
+
+TENANT_METRICS = frozenset((REQUESTS, *_DURATIONS, *GENAI_METRICS))
+"""The metrics whose points carry the request's tenant: what a tenant filter narrows."""
+
+
+def tenant_of(attributes: Mapping[str, Any]) -> str:
+    """The tenant of a request metric's rollup: its `spillway.tenant`, `default` without one (an older agent)."""
+    tenant = attributes.get(ATTR_TENANT)
+    return DEFAULT_TENANT if tenant is None else str(tenant)
+
+
+@dataclass
+class _Tenant:
+    """One tenant of an agent: its outcomes, the durations of its requests served locally, its GenAI streams."""
+
+    outcomes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    latency: _Layouts = field(default_factory=_Layouts)
+    ttft: _Layouts = field(default_factory=_Layouts)
+    tokens_out: float = 0.0
+
+
+def _fold_tenant(tenant: _Tenant, rollup: Rollup) -> None:
+    attributes, metric = rollup.attributes, rollup.metric
+    if metric == REQUESTS and rollup.kind == "sum":
+        tenant.outcomes[str(attributes.get(ATTR_OUTCOME))] += _finite(rollup.total) or 0.0
+    elif rollup.kind != "histogram":
+        return
+    elif metric == REQUEST_DURATION and attributes.get(ATTR_OUTCOME) == SERVED and rollup.histogram is not None:
+        tenant.latency.add(rollup.histogram)
+    elif metric == GENAI_TTFT and rollup.histogram is not None:
+        tenant.ttft.add(rollup.histogram)
+    elif metric == GENAI_TOKEN_USAGE and attributes.get(ATTR_GENAI_TOKEN_TYPE) == "output":
+        tenant.tokens_out += _finite(rollup.total) or 0.0
+
+
+def _tenants(tenants: dict[str, _Tenant], seconds: float, only: str | None) -> list[dict[str, Any]]:
+    """Per tenant (only `only`, if given), its traffic; its share is of every tenant's requests served locally."""
+    served_total = sum(t.outcomes.get(SERVED, 0.0) for t in tenants.values())
+    out = []
+    for name in sorted(tenants):
+        if only is not None and name != only:
+            continue
+        tenant = tenants[name]
+        requests = sum(tenant.outcomes.values())
+        served = tenant.outcomes.get(SERVED, 0.0)
+        latency = tenant.latency.merged()
+        ttft = tenant.ttft.merged()
+        out.append({
+            "tenant": name, "requests": requests, "rps": requests / seconds,
+            "outcomes": dict(sorted(tenant.outcomes.items())), "served": served,
+            "share": served / served_total if served_total > 0 else None,
+            "rejected": tenant.outcomes.get("rejected", 0.0),
+            "latency_ms": {
+                "count": latency.count if latency else 0.0, "mean": _ms(latency.mean) if latency else None,
+                "p50": _ms(latency.quantile(0.50)) if latency else None,
+                "p95": _ms(latency.quantile(0.95)) if latency else None,
+                "p99": _ms(latency.quantile(0.99)) if latency else None,
+            },
+            "ttft_ms": _percentiles_ms(ttft), "tokens_out_per_s": tenant.tokens_out / seconds,
+        })  # fmt: skip
+    return out
 
 
 @dataclass
@@ -430,15 +499,24 @@ def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
 # ---- one agent's summary --------------------------------------------------------------------------------------
 
 
-def summarise(rows: Iterable[Rollup | Any], *, since: datetime, until: datetime) -> dict[str, Any]:
+def summarise(
+    rows: Iterable[Rollup | Any], *, since: datetime, until: datetime, tenant: str | None = None
+) -> dict[str, Any]:
     """The summary of `rows` (minute rollups from `since` to `until`: decoded, or rows for `Rollup.of`); pure, so
-    it is checked without a database."""
+    it is checked without a database. With `tenant`, the request metrics (`TENANT_METRICS`) of that tenant only,
+    and `by_tenant` lists that tenant only (its share still of every tenant's requests served locally)."""
     traffic: dict[tuple[str | None, int | None], _Traffic] = defaultdict(_Traffic)
     batches: dict[str | None, _Layouts] = defaultdict(_Layouts)
     gauges: dict[tuple[str, str], _Gauge] = {}
     generation: dict[str, _Generation] = defaultdict(_Generation)
+    tenants: dict[str, _Tenant] = defaultdict(_Tenant)
     for row in rows:
         rollup = row if isinstance(row, Rollup) else Rollup.of(row)
+        if rollup.metric in TENANT_METRICS:
+            who = tenant_of(rollup.attributes)
+            _fold_tenant(tenants[who], rollup)
+            if tenant is not None and who != tenant:
+                continue
         if rollup.metric in GENERATION_METRICS:
             _fold_generation(generation, rollup)
             continue
@@ -468,6 +546,7 @@ def summarise(rows: Iterable[Rollup | Any], *, since: datetime, until: datetime)
         "batches": [_batches(model, batches[model]) for model in sorted(batches, key=lambda m: m or "")],
         "device": [_gauge(g) for _, g in sorted(gauges.items())],
         "generation": [_generation(model, generation[model], traffic, seconds) for model in sorted(generation)],
+        "by_tenant": _tenants(tenants, seconds, tenant),
     }
 
 
@@ -635,9 +714,15 @@ def _gauge(gauge: _Gauge) -> dict[str, Any]:
 
 
 def agent_metrics(
-    session: Session, agent_id: str, window_s: int, *, retention_s: float, now: datetime | None = None
+    session: Session,
+    agent_id: str,
+    window_s: int,
+    *,
+    retention_s: float,
+    now: datetime | None = None,
+    tenant: str | None = None,
 ) -> dict[str, Any]:
-    """The summary of one agent's last `window_s` seconds of telemetry.
+    """The summary of one agent's last `window_s` seconds of telemetry (of one tenant's requests, with `tenant`).
 
     Raises:
         NotFound: no agent with this id.
@@ -657,12 +742,13 @@ def agent_metrics(
     metrics = (REQUESTS, *_DURATIONS, BATCH_SIZE, *GENAI_METRICS, PREEMPTIONS)
     rollups = read_rollups(session, since=since, agents=(agent.id,), metrics=metrics,
                            every_gauge=True)  # its request and generation metrics and every gauge  # fmt: skip
-    summary = summarise(rollups, since=since, until=now)
-    return {"agent": agent.id, "name": agent.name, "window": window_s, **summary}
+    summary = summarise(rollups, since=since, until=now, tenant=tenant)
+    return {"agent": agent.id, "name": agent.name, "window": window_s, "tenant": tenant, **summary}
 
 
 __all__ = [
     "GENERATION_METRICS",
+    "TENANT_METRICS",
     "Histogram",
     "Rollup",
     "RollupReader",
@@ -671,5 +757,6 @@ __all__ = [
     "merge_histograms",
     "read_rollups",
     "summarise",
+    "tenant_of",
     "window_start",
 ]

@@ -12,6 +12,7 @@ PAGES = [
     st.Page("views/slos.py", title="SLOs", icon=":material/speed:", url_path="slos"),
     st.Page("views/rules.py", title="Rules", icon=":material/rule:", url_path="rules"),
     st.Page("views/backends.py", title="Backends", icon=":material/cloud:", url_path="backends"),
+    st.Page("views/tenants.py", title="Tenants", icon=":material/groups:", url_path="tenants"),
     st.Page("views/events.py", title="Events", icon=":material/timeline:", url_path="events"),
 ]
 

@@ -70,7 +70,8 @@ def selector(form: Form, current: dict[str, Any] | None) -> dict[str, Any]:
                         help="key=value pairs, comma-separated; empty: every agent")  # fmt: skip
     model = form.field("selector.model", st.text_input, "Selector model", value=current.get("model") or "",
                        help="empty: every model")  # fmt: skip
-    return {"labels": labels.strip(), "model": model.strip() or None}
+    kept = {"tenant": current["tenant"]} if current.get("tenant") else {}  # an SLO's tenant: kept as it is
+    return {"labels": labels.strip(), "model": model.strip() or None, **kept}
 
 
 # -- SLOs ------------------------------------------------------------------------------------------------------

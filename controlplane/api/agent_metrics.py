@@ -9,6 +9,7 @@ from pydantic import BaseModel, BeforeValidator, Field, WithJsonSchema
 from controlplane import query
 from controlplane.api.deps import SessionDep, SettingsDep, Viewer
 from controlplane.schemas.common import Duration
+from spillway.contract.tenants import NAME_PATTERN
 
 router = APIRouter(prefix="/api/v1/agents", tags=["agents"])
 
@@ -111,6 +112,24 @@ class Generation(BaseModel):
     outcomes: dict[str, float] = Field(description="requests per outcome")
 
 
+class TenantTraffic(BaseModel):
+    """One tenant's requests on the agent (`spillway.tenant`; requests an agent from before tenants reported are the
+    `default` tenant's)."""
+
+    tenant: str = Field(description="a tenant's name, `default` (the operator's) or `other` (beyond the bound)")
+    requests: float = Field(description="requests of this tenant, every outcome, V2 and generative")
+    rps: float = Field(description="requests per second over the window")
+    outcomes: dict[str, float] = Field(description="requests per outcome (`rejected` includes its quota refusals)")
+    served: float = Field(description="requests served on the device (outcome `local`)")
+    share: float | None = Field(
+        description="its part of the requests served on the device, 0..1, over every tenant; null if none was"
+    )
+    rejected: float = Field(description="requests refused (outcome `rejected`: over a quota, queue full, ...)")
+    latency_ms: Latency = Field(description="request duration of its requests served locally")
+    ttft_ms: Percentiles = Field(description="generative streams: time to first token")
+    tokens_out_per_s: float = Field(description="generative: tokens generated per second")
+
+
 class AgentMetrics(BaseModel):
     agent: str
     name: str
@@ -124,8 +143,24 @@ class AgentMetrics(BaseModel):
     batches: list[Batches] = Field(description="batch sizes per model")
     device: list[GaugeReading] = Field(description="device and host gauges, per metric and attributes")
     generation: list[Generation] = Field(description="generative models, by model name")
+    tenant: str | None = Field(
+        default=None,
+        description="the tenant asked for: requests, outcomes, traffic, latencies and generative figures are its "
+        "own; batches, queue depths and gauges are the device's",
+    )
+    by_tenant: list[TenantTraffic] = Field(description="per tenant (only the one asked for, if any), by name")
+
+
+TenantFilter = Annotated[
+    str | None,
+    Query(pattern=NAME_PATTERN, max_length=63,
+          description="only this tenant's requests (`default`: the operator's, and those of agents before tenants)"),
+]  # fmt: skip
 
 
 @router.get("/{item_id}/metrics", response_model=AgentMetrics, summary="An agent's recent telemetry")
-def agent_metrics(item_id: str, session: SessionDep, settings: SettingsDep, _: Viewer, window: Window = 300) -> Any:
-    return query.agent_metrics(session, item_id, window, retention_s=settings.retention_days * 86400)
+def agent_metrics(
+    item_id: str, session: SessionDep, settings: SettingsDep, _: Viewer, window: Window = 300,
+    tenant: TenantFilter = None,
+) -> Any:  # fmt: skip
+    return query.agent_metrics(session, item_id, window, retention_s=settings.retention_days * 86400, tenant=tenant)

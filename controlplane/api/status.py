@@ -149,6 +149,17 @@ class GatewayBackendState(BaseModel):
     p50_ms: float | None = Field(description="over the last 256 attempts")
     p99_ms: float | None
     last_error: str | None
+    tenant_share: dict[str, float] = Field(
+        default_factory=dict, description="tenant -> the most of this backend's in-flight requests it may hold"
+    )
+    tenants: dict[str, int] = Field(
+        default_factory=dict, description="requests in flight at this backend now, per tenant that has some"
+    )
+    tenant_refused: dict[str, int] = Field(
+        default_factory=dict,
+        description="per tenant capped by tenant_share: requests refused since this process started for holding "
+        "its share here (and at every other backend with room)",
+    )
 
 
 class GatewayState(BaseModel):

@@ -133,12 +133,44 @@ class Backend(Resource):
     max_concurrency: Mapped[int] = mapped_column(Integer, default=64)
     timeout_ms: Mapped[int] = mapped_column(Integer, default=10_000)
     binary_tensors: Mapped[bool] = mapped_column(Boolean, default=True)
+    # {tenant: the most of this backend's in-flight requests (a fraction) that tenant may hold}; none named: no cap.
+    tenant_share: Mapped[dict[str, Any]] = mapped_column(default=dict)
     # Sent to the backend as `Authorization`; write-only through the API, never returned or logged.
     auth_header: Mapped[str | None] = mapped_column(Text, default=None)
 
     @property
     def auth_header_set(self) -> bool:
         return bool(self.auth_header)
+
+
+class Tenant(Resource):
+    """An application sharing the agents its selector picks: a weight, quotas and a priority ceiling (the contract's
+    `TenantLimits`); its tokens are `TenantToken` rows. The policy document of each agent it selects carries it."""
+
+    __tablename__ = "tenants"
+
+    description: Mapped[str] = mapped_column(Text, default="")
+    selector: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    max_in_flight: Mapped[int | None] = mapped_column(Integer, default=None)
+    rate_rps: Mapped[float | None] = mapped_column(Float, default=None)
+    tokens_per_s: Mapped[float | None] = mapped_column(Float, default=None)
+    max_streams: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_priority: Mapped[int | None] = mapped_column(Integer, default=None)
+
+
+class TenantToken(Base):
+    """One bearer token of a tenant, kept as its SHA-256 digest only (the secret is shown once, when made)."""
+
+    __tablename__ = "tenant_tokens"
+    __table_args__ = (Index("ix_tenant_tokens_tenant_id", "tenant_id"),)
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(16), ForeignKey("tenants.id", ondelete="CASCADE"))
+    label: Mapped[str] = mapped_column(String(128), default="")
+    prefix: Mapped[str] = mapped_column(String(16))
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class Event(Base):

@@ -23,6 +23,7 @@ from controlplane.gateway.errors import (
     NoHealthyBackend,
     PayloadTooLarge,
     Refusal,
+    TenantQuota,
     Unauthenticated,
 )
 from controlplane.gateway.forward import Gateway
@@ -60,6 +61,7 @@ __all__ = [
     "ReadinessPolicy",
     "Refusal",
     "RetryBudget",
+    "TenantQuota",
     "TokenCache",
     "Transition",
     "Unauthenticated",

@@ -22,12 +22,13 @@ JSON = b"application/json"
 
 async def refuse(send: Send, exc: SpillwayError, body: bytes) -> None:
     """Answer `exc` with `body` (each path's own error shape): the status, the code in `spillway-reason`, and the
-    headers that go with it (WWW-Authenticate on a 401, Retry-After on a 503, who was tried last after attempts)."""
+    headers that go with it (WWW-Authenticate on a 401, Retry-After on a 429 or 503, who was tried last after
+    attempts)."""
     headers = [(b"content-type", JSON), (b"content-length", str(len(body)).encode()),
                (b"spillway-reason", exc.code.encode())]  # fmt: skip
     if exc.status_code == 401:
         headers.append((b"www-authenticate", b"Bearer"))
-    elif exc.status_code == 503:
+    elif exc.status_code in (429, 503):
         headers.append((b"retry-after", b"1"))
     elif exc.status_code == 413:
         headers.append((b"connection", b"close"))  # the rest of the body is not read

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ class BackendSpec:
     auth_header: str | None = field(default=None, repr=False)
     protocol: str = "v2"  # v2 | v2_grpc | openai
     model_map: Mapping[str, str] = field(default_factory=dict, hash=False)  # openai: edge model -> the backend's
+    # tenant -> the largest part (0..1] of the backend's max_concurrency that tenant's requests may hold at once
+    tenant_share: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     @property
     def request_protocol(self) -> str:
@@ -36,6 +39,14 @@ class BackendSpec:
     def cloud_model(self, model: str) -> str:
         """The backend's name for the edge's `model`."""
         return self.model_map.get(model, model)
+
+    def tenant_limit(self, tenant: str) -> int | None:
+        """Requests of `tenant` this backend takes at once: its share of max_concurrency, rounded down, at least
+        one; None where its share is not capped."""
+        share = self.tenant_share.get(tenant)
+        if share is None:
+            return None
+        return max(1, math.floor(share * self.max_concurrency + 1e-9))
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,8 @@ class BackendState:
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
         self.outstanding = 0
+        self.tenants: dict[str, int] = {}  # requests in flight per tenant (a tenant appears while it has some)
+        self.tenant_refused: dict[str, int] = {}  # per tenant named in tenant_share: refused for being at its share
         # Passive outlier detection
         self.consecutive_failures = 0
         self.ejected_at: float | None = None
@@ -84,6 +97,11 @@ class BackendState:
     @property
     def weight(self) -> float:
         return self.spec.weight
+
+    def within_share(self, tenant: str) -> bool:
+        """Whether one more request of `tenant` stays within its share of this backend."""
+        limit = self.spec.tenant_limit(tenant)
+        return limit is None or self.tenants.get(tenant, 0) < limit
 
     def ejected(self, now: float) -> bool:
         return self.ejected_until is not None and now < self.ejected_until

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from anyio import to_thread
 from sqlalchemy import select
@@ -18,6 +19,7 @@ from controlplane.db.models import Backend
 from controlplane.gateway.backend import BackendSpec, BackendState
 from controlplane.gateway.errors import InvalidModelName
 from controlplane.gateway.pool import BackendPool
+from controlplane.gateway.tenant import is_tenant_name
 from controlplane.schemas.backends import is_model_name
 
 log = logging.getLogger("spillway.controlplane.gateway")
@@ -28,7 +30,22 @@ def spec_of(row: Backend) -> BackendSpec:
     return BackendSpec(id=row.id, name=row.name, url=row.url.rstrip("/"), models=tuple(row.models),
                        weight=row.weight, max_concurrency=row.max_concurrency, timeout_ms=row.timeout_ms,
                        binary_tensors=row.binary_tensors, auth_header=row.auth_header or None,
-                       protocol=row.protocol or "v2", model_map=dict(row.model_map or {}))  # fmt: skip
+                       protocol=row.protocol or "v2", model_map=dict(row.model_map or {}),
+                       tenant_share=tenant_share_of(getattr(row, "tenant_share", None)))  # fmt: skip
+
+
+def tenant_share_of(stored: Any) -> dict[str, float]:
+    """A backend's `tenant_share` as stored: {tenant name: share in (0, 1]}. The API checks it; an entry that is not
+    one (a row written past it) is left out, so that it caps nothing rather than stop the gateway loading."""
+    if not isinstance(stored, dict):
+        return {}
+    shares: dict[str, float] = {}
+    for tenant, share in stored.items():
+        if not isinstance(tenant, str) or not is_tenant_name(tenant):
+            continue
+        if isinstance(share, int | float) and not isinstance(share, bool) and 0 < share <= 1:
+            shares[tenant] = float(share)
+    return shares
 
 
 class BackendCatalog:

@@ -12,7 +12,9 @@ SpillwayError (controlplane.errors)
     ├── Refusal                                    (no backend can take the request now; retried nowhere)
     │   ├── NoBackend         503 no_backend           (none is registered for the model)
     │   ├── NoHealthyBackend  503 no_healthy_backend   (all are failing their checks or ejected)
-    │   └── NoCapacity        503 no_capacity          (all are at their max_concurrency)
+    │   ├── NoCapacity        503 no_capacity          (all are at their max_concurrency)
+    │   └── TenantQuota       429 tenant_quota         (the request's tenant holds its share of every backend with
+    │                                                   room: `tenant_share`), with Retry-After
     ├── BackendUnavailable    502 backend_unavailable  (every attempt failed)
     ├── BadBackendResponse    502 bad_backend_response (a JSON-only backend's answer could not be translated back)
     └── DeadlineExceeded      504 deadline_exceeded
@@ -38,6 +40,7 @@ __all__ = [
     "NoHealthyBackend",
     "PayloadTooLarge",
     "Refusal",
+    "TenantQuota",
     "Unauthenticated",
 ]
 
@@ -79,3 +82,10 @@ class BadBackendResponse(GatewayError):
 class DeadlineExceeded(GatewayError):
     status_code = 504
     code = "deadline_exceeded"
+
+
+class TenantQuota(Refusal):
+    """The request's tenant (`spillway-tenant`) holds its `tenant_share` of every backend that has room for it."""
+
+    status_code = 429
+    code = "tenant_quota"

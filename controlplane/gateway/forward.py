@@ -52,6 +52,7 @@ from controlplane.gateway.grpc_messages import GrpcRequest, http_answer, infer_r
 from controlplane.gateway.health import ReadinessChecker
 from controlplane.gateway.pool import BackendPool
 from controlplane.gateway.relay import OpenAIRelay
+from controlplane.gateway.tenant import quota_tenant, request_tenant
 from controlplane.gateway.tokens import AgentTokens, TokenCache
 from controlplane.gateway.translate import Translated, TranslationError, request_to_json, response_from_json
 from controlplane.monitoring import GatewayMetrics
@@ -79,6 +80,7 @@ class _Request:
     compressed: bool
     model: str
     version: str | None
+    tenant: str | None = None  # as the agent named it (`spillway-tenant`, checked); None: none named
     _translated: Translated | None = field(default=None, repr=False)
     _grpc: GrpcRequest | None = field(default=None, repr=False)
 
@@ -240,9 +242,12 @@ class Gateway:
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None) -> None:
         authorization = content_type = ihcl = timeout = declared = accept_encoding = content_encoding = None
+        tenant_header = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value
+            elif name == b"spillway-tenant":
+                tenant_header = value
             elif name == b"content-type":
                 content_type = value
             elif name == b"inference-header-content-length":
@@ -280,17 +285,24 @@ class Gateway:
         if compressed:
             assert content_encoding is not None
             headers["Content-Encoding"] = content_encoding.decode("latin-1")
+        tenant = request_tenant(tenant_header)
+        if tenant is not None:
+            headers["Spillway-Tenant"] = tenant
         path = f"/v2/models/{model}/versions/{version}/infer" if version else f"/v2/models/{model}/infer"
-        request = _Request(path, body, length, headers, compressed, model, version)
-        await self.forward(model, limit_us, partial(self._attempt, send, request), partial(self._give_up, send))
+        request = _Request(path, body, length, headers, compressed, model, version, tenant)
+        await self.forward(model, limit_us, partial(self._attempt, send, request), partial(self._give_up, send),
+                           tenant=quota_tenant(tenant))  # fmt: skip
 
     async def forward(
-        self, model: str, limit_us: int | None, attempt: Attempt, give_up: GiveUp, protocol: str = "v2"
-    ) -> None:
+        self, model: str, limit_us: int | None, attempt: Attempt, give_up: GiveUp, protocol: str = "v2",
+        tenant: str | None = None,
+    ) -> None:  # fmt: skip
         """Try backends of `protocol` serving `model` one after another: `attempt(state, timeout_s, n)` answers
         (None) or reports a retriable failure; another backend is tried while the deadline (`limit_us`, else the
         first backend's timeout) and the retry budget allow, else `give_up(last failure, attempts, why)` answers.
-        Raises the pool's Refusal when no backend could take it at all, DeadlineExceeded when time ran out."""
+        Each attempt holds a part of `tenant`'s share of its backend (None: no share counted).
+        Raises the pool's Refusal when no backend could take it at all (TenantQuota: none within the tenant's share),
+        DeadlineExceeded when time ran out."""
         started = self.clock()
         deadline = None if limit_us is None else started + limit_us / 1e6
         tried: list[str] = []
@@ -310,19 +322,22 @@ class Gateway:
                         return await give_up(last, len(tried), "the retry budget is spent")
                 try:
                     try:
-                        state = self.pool.acquire(model, tried, protocol)
+                        state = self.pool.acquire(model, tried, protocol, tenant)
                     except Refusal:
                         self._emit()
                         if last is None:
                             raise
                         return await give_up(last, len(tried), "no other backend can take it")
-                    if retry:
-                        self.metrics.retries.inc()
-                    if deadline is None:  # the caller set none: the first backend's timeout bounds the request
-                        deadline = started + state.spec.timeout_ms / 1000
-                    timeout_s = min(deadline - self.clock(), state.spec.timeout_ms / 1000)
-                    tried.append(state.id)
-                    failure = await attempt(state, timeout_s, len(tried))
+                    try:
+                        if retry:
+                            self.metrics.retries.inc()
+                        if deadline is None:  # the caller set none: the first backend's timeout bounds the request
+                            deadline = started + state.spec.timeout_ms / 1000
+                        timeout_s = min(deadline - self.clock(), state.spec.timeout_ms / 1000)
+                        tried.append(state.id)
+                        failure = await attempt(state, timeout_s, len(tried))
+                    finally:
+                        self.pool.left(state, tenant)
                 finally:
                     if retry:
                         budget.retry_done()
@@ -445,7 +460,8 @@ class Gateway:
         instruments.outstanding.inc()
         began = self.clock()
         try:
-            result = await self.grpc.infer(spec, message.message, timeout_s, max(1, int((timeout_s - margin) * 1e6)))
+            result = await self.grpc.infer(spec, message.message, timeout_s, max(1, int((timeout_s - margin) * 1e6)),
+                                           tenant=request.tenant)  # fmt: skip
             # The backend's metadata worth passing on (spillway-outcome, spillway-reason, retry-after) as headers.
             passed = [(key.encode(), value.encode("latin-1", "replace")) for key, value in result.metadata.items()]
             extra = passed + answer_headers(spec, attempt)

@@ -135,14 +135,15 @@ class GrpcBackends:
         self._retiring: dict[asyncio.Task[None], _Channel] = {}  # channels that close once their calls end
 
     async def infer(
-        self, spec: BackendSpec, request: Any, timeout_s: float, budget_us: int
+        self, spec: BackendSpec, request: Any, timeout_s: float, budget_us: int, *, tenant: str | None = None
     ) -> GrpcAnswer | GrpcRefusal:
-        """One `ModelInfer` within `timeout_s`; the backend is told `budget_us` (the deadline less a margin)."""
+        """One `ModelInfer` within `timeout_s`; the backend is told `budget_us` (the deadline less a margin) and the
+        request's `tenant` (`spillway-tenant` metadata, where the agent named one)."""
         try:
             held = self._channel(spec)
         except ValueError as exc:  # a row written past the API's validation
             return GrpcRefusal(Code.UNAVAILABLE, str(exc), {})
-        metadata = (*_auth(spec), ("spillway-timeout-us", str(budget_us)))
+        metadata = (*_auth(spec), ("spillway-timeout-us", str(budget_us)), *_tenant(tenant))
         with held.call() as stub:
             try:
                 call = stub.ModelInfer(request, timeout=timeout_s, metadata=metadata)
@@ -218,6 +219,10 @@ async def _close_when_idle(held: _Channel, grace_s: float) -> None:
 
 def _auth(spec: BackendSpec) -> tuple[tuple[str, str], ...]:
     return (("authorization", spec.auth_header),) if spec.auth_header else ()
+
+
+def _tenant(tenant: str | None) -> tuple[tuple[str, str], ...]:
+    return () if tenant is None else (("spillway-tenant", tenant),)
 
 
 def _kept(*metadata: Any) -> dict[str, str]:

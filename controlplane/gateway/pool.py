@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from controlplane.gateway.backend import BackendSpec, BackendState, Transition
-from controlplane.gateway.errors import NoBackend, NoCapacity, NoHealthyBackend
+from controlplane.gateway.errors import NoBackend, NoCapacity, NoHealthyBackend, TenantQuota
 from controlplane.gateway.outlier import OutlierDetector, OutlierPolicy
 from controlplane.gateway.picker import BackendPicker, PowerOfTwoChoices
 from controlplane.gateway.readiness import ReadinessPolicy, apply_checks
@@ -85,12 +85,16 @@ class BackendPool:
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    def acquire(self, model: str, exclude: Collection[str] = (), protocol: str = "v2") -> BackendState:
+    def acquire(
+        self, model: str, exclude: Collection[str] = (), protocol: str = "v2", tenant: str | None = None
+    ) -> BackendState:
         """A backend of `protocol` for one request to `model`, counted as outstanding until `release`; never one
-        in `exclude`.
+        in `exclude`. With `tenant`, never one where that tenant holds its `tenant_share` already, and the request
+        counts towards its share until `left`.
 
         Raises NoBackend (none registered), NoHealthyBackend (all failing checks or ejected), NoCapacity (all at
-        their max_concurrency); at once, without waiting for a slot.
+        their max_concurrency), TenantQuota (the tenant holds its share of every one with room); at once, without
+        waiting for a slot.
         """
         peers = (self.by_model if protocol == "v2" else self.by_protocol.get(protocol, {})).get(model)
         if not peers:
@@ -113,9 +117,38 @@ class BackendPool:
         free = [s for s in healthy if s.outstanding < s.spec.max_concurrency]
         if not free:
             raise NoCapacity(f"every healthy backend of model '{model}' is at its max_concurrency")
+        if tenant is not None:
+            free = self._within_share(free, model, tenant)
         chosen = free[self.picker.pick(free, self.rng)]
         chosen.outstanding += 1
+        if tenant is not None:
+            chosen.tenants[tenant] = chosen.tenants.get(tenant, 0) + 1
         return chosen
+
+    @staticmethod
+    def _within_share(free: list[BackendState], model: str, tenant: str) -> list[BackendState]:
+        """The backends of `free` where `tenant` is below its share; TenantQuota if none."""
+        within = [s for s in free if s.within_share(tenant)]
+        if within:
+            return within
+        for state in free:  # each caps this tenant: the names counted are those of its tenant_share
+            state.tenant_refused[tenant] = state.tenant_refused.get(tenant, 0) + 1
+        held = ", ".join(f"'{s.name}' {s.tenants.get(tenant, 0)} of {s.spec.tenant_limit(tenant)}" for s in free[:5])
+        raise TenantQuota(
+            f"tenant '{tenant}' holds its share of every backend of model '{model}' with room ({held}); retry later",
+            {"tenant": tenant, "quota": "tenant_share", "retry_after_s": 1},
+        )
+
+    def left(self, state: BackendState, tenant: str | None) -> None:
+        """A request of `tenant` that `acquire` gave `state` no longer holds a part of its share (after `release`,
+        or on its own where the request was never sent)."""
+        if tenant is None:
+            return
+        held = state.tenants.get(tenant, 0) - 1
+        if held > 0:
+            state.tenants[tenant] = held
+        else:
+            state.tenants.pop(tenant, None)
 
     def release(
         self,
@@ -186,5 +219,7 @@ class BackendPool:
                 "outstanding": state.outstanding, "max_concurrency": spec.max_concurrency, "weight": spec.weight,
                 "requests": state.requests, "errors": state.errors, "busy": state.busy,
                 "p50_ms": state.percentile_ms(0.5), "p99_ms": state.percentile_ms(0.99), "last_error": state.last_error,
+                "tenant_share": dict(spec.tenant_share), "tenants": dict(sorted(state.tenants.items())),
+                "tenant_refused": dict(sorted(state.tenant_refused.items())),
             })  # fmt: skip
         return rows

@@ -12,7 +12,10 @@ differs is the answer, which is a stream of tokens:
   client one OpenAI-shaped error event and an end without `data: [DONE]`, never a stream that looks complete; the
   failure counts against the backend (outlier ejection).
 - What the gateway answers itself is OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, with
-  the gateway's precise reason in `spillway-reason` (docs/gateway.md).
+  the gateway's precise reason in `spillway-reason` (docs/gateway.md); a tenant over its share of the backends
+  (429, reason `tenant_quota`) gets OpenAI's rate-limit shape, `code: rate_limit_exceeded`, `type: requests`.
+- The request's tenant (`spillway-tenant`) is passed on and counted against each backend's `tenant_share`, as on the
+  V2 path.
 """
 
 from __future__ import annotations
@@ -43,7 +46,15 @@ from controlplane.gateway.attempt import (
 )
 from controlplane.gateway.backend import BackendSpec, BackendState
 from controlplane.gateway.deadline import read_body, timeout_header_us
-from controlplane.gateway.errors import BackendUnavailable, BadBackendResponse, InvalidModelName, NoCapacity, Refusal
+from controlplane.gateway.errors import (
+    BackendUnavailable,
+    BadBackendResponse,
+    InvalidModelName,
+    NoCapacity,
+    Refusal,
+    TenantQuota,
+)
+from controlplane.gateway.tenant import quota_tenant, request_tenant
 from spillway.contract.v2 import ClientGone
 
 if TYPE_CHECKING:
@@ -75,6 +86,8 @@ def openai_error(exc: SpillwayError) -> dict[str, Any]:
     count that against the cloud), backend_failed (every attempt failed), deadline_exceeded, else the gateway's own
     code (invalid_request, unauthenticated, ...)."""
     status = exc.status_code
+    if isinstance(exc, TenantQuota):  # OpenAI's own shape of a rate limit: clients' SDKs know it
+        return {"error": {"message": exc.message, "type": "requests", "param": None, "code": "rate_limit_exceeded"}}
     if isinstance(exc, Refusal):
         code = exc.code
     elif isinstance(exc, BackendUnavailable | BadBackendResponse):
@@ -104,6 +117,7 @@ class _Call:
     doc: dict[str, Any]
     model: str
     accept: str | None
+    tenant: str | None = None  # as the agent named it (`spillway-tenant`, checked); None: none named
     _bodies: dict[str, bytes] = field(default_factory=dict, repr=False)
 
     def payload(self, spec: BackendSpec) -> bytes:
@@ -210,10 +224,12 @@ class OpenAIRelay:
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, watch: _Watch) -> None:
         gateway = self.gateway
-        authorization = timeout = declared = accept = None
+        authorization = timeout = declared = accept = tenant_header = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value
+            elif name == b"spillway-tenant":
+                tenant_header = value
             elif name == b"spillway-timeout-us":
                 timeout = value
             elif name == b"content-length":
@@ -228,9 +244,11 @@ class OpenAIRelay:
             raise InvalidRequest("model: required, the name of the model (a string)", {"param": "model"})
         limit_us = timeout_header_us(timeout)
         await gateway.catalog.current(model, PROTOCOL)
-        call = _Call(scope["path"], body, doc, model, None if accept is None else accept.decode("latin-1"))
+        tenant = request_tenant(tenant_header)
+        call = _Call(scope["path"], body, doc, model, None if accept is None else accept.decode("latin-1"), tenant)
         watch.start(receive)
-        await gateway.forward(model, limit_us, partial(self._attempt, send, call), self._give_up, PROTOCOL)
+        await gateway.forward(model, limit_us, partial(self._attempt, send, call), self._give_up, PROTOCOL,
+                              quota_tenant(tenant))  # fmt: skip
 
     async def _attempt(
         self, send: Send, call: _Call, state: BackendState, timeout_s: float, attempt: int
@@ -248,6 +266,8 @@ class OpenAIRelay:
                        "Spillway-Timeout-Us": str(max(1, int((timeout_s - margin) * 1e6)))}  # fmt: skip
             if call.accept is not None:
                 headers["Accept"] = call.accept
+            if call.tenant is not None:
+                headers["Spillway-Tenant"] = call.tenant
             if spec.auth_header:
                 headers["Authorization"] = spec.auth_header
             read_timeout = aiohttp.ClientTimeout(total=None, sock_read=spec.timeout_ms / 1000)

@@ -5,6 +5,12 @@ streams to deltas, and add each minute's deltas (and gauge samples) to the datab
 Refusals of part of the data (unsupported metric types, malformed points, histograms on bounds that cannot be
 re-bucketed exactly, series beyond an agent's cardinality limit) are counted and reported back through OTLP's
 `partial_success`; nothing else is ever dropped silently.
+
+The tenant of a point (`spillway.tenant`, on the request metrics) is kept as one of its attributes, so a tenant's
+series are series of their own. The agent bounds it (its configured tenants, `default` and `other`); the control
+plane bounds it again, per agent: a tenant that is not a tenant name (the contract's NAME_PATTERN), or a new one
+beyond `max_tenants_per_agent` distinct names since this process started, is stored as `other`. A point without
+the attribute (an agent from before tenants) is stored as sent and read as tenant `default` (`query.tenant_of`).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import re
 import threading
 import time
 import zlib
@@ -34,12 +41,15 @@ from controlplane.ingest.attributes import current_metric, current_names, layout
 from controlplane.ingest.bounds import Fit, Layouts
 from controlplane.ingest.deltas import DeltaTracker, Point
 from controlplane.ingest.store import add_rollups, mark_seen
-from spillway.contract.names import DEFAULT_LATENCY_BUCKETS_MS
+from spillway.contract.names import ATTR_TENANT, DEFAULT_LATENCY_BUCKETS_MS
+from spillway.contract.tenants import DEFAULT_TENANT, MAX_TENANTS, NAME_PATTERN, OTHER_TENANT
 
 CUMULATIVE = 2
 _SERIES_CACHE_SIZE = 100_000  # (metric, attributes as sent) -> series key; cleared when it grows past this
 _LOGGED_KEPT = 10_000  # (agent, reason) refusals logged once; forgotten (logged again) past this
 _REASONS_SAID = 20  # distinct reasons in one answer's partial_success.error_message, at most
+_TENANT_NAME = re.compile(NAME_PATTERN)
+_ALWAYS_TENANTS = frozenset({DEFAULT_TENANT, OTHER_TENANT})  # never counted against the cap
 log = logging.getLogger("spillway.controlplane")
 
 
@@ -144,13 +154,18 @@ class Ingestor:
     """
 
     def __init__(self, factory: sessionmaker[Session], *, max_series_per_agent: int = 10_000,
-                 latency_buckets_ms: Iterable[float] = DEFAULT_LATENCY_BUCKETS_MS) -> None:  # fmt: skip
+                 latency_buckets_ms: Iterable[float] = DEFAULT_LATENCY_BUCKETS_MS,
+                 max_tenants_per_agent: int = MAX_TENANTS) -> None:  # fmt: skip
         self.factory = factory
         self.max_series_per_agent = max_series_per_agent
+        self.max_tenants_per_agent = max_tenants_per_agent  # beyond: `other` (an agent may configure MAX_TENANTS)
         self.layouts = Layouts(latency_buckets_ms)  # the histograms' bounds, as the agents' policies set them
         # Runs begun before this process started may have been counted by its predecessor: a baseline each.
         self.tracker = DeltaTracker(horizon_ns=time.time_ns())
         self._known: dict[str, set[str]] = defaultdict(set)
+        # agent -> the tenant names kept as they came (`default` and `other` always, beside the capped ones)
+        self._tenants: dict[str, set[str]] = defaultdict(lambda: set(_ALWAYS_TENANTS))
+        self._as_other: dict[str, _Series] = {}  # a row key -> the same series with tenant `other`
         # The series key, row key and attributes (legacy names renamed) of each attribute list (and histogram layout)
         # as sent: agents send the same few hundred again every export, so hashing them once saves most of the
         # per-point work. Keyed by the protobuf encoding of each attribute, which determines the decoded
@@ -175,6 +190,24 @@ class Ingestor:
             self._series_cache[key] = found
         return found
 
+    def _tenant(self, tenants: set[str], tenant: Any, found: _Series, metric: str, fit: Fit | None) -> _Series:
+        """A point's series with a tenant this agent has not sent before (under the lock): kept as it came while
+        the agent's distinct tenants stay within the cap and it is a tenant name, else the series of tenant
+        `other`."""
+        room = len(tenants) < self.max_tenants_per_agent + len(_ALWAYS_TENANTS)
+        if room and isinstance(tenant, str) and _TENANT_NAME.fullmatch(tenant):
+            tenants.add(tenant)
+            return found
+        other = self._as_other.get(found.row)
+        if other is None:
+            attributes = {**found.attributes, ATTR_TENANT: OTHER_TENANT}
+            series = series_key(metric, attributes)
+            other = _Series(series, series if fit is None else layout_key(series, fit.bounds), attributes)
+            if len(self._as_other) >= _SERIES_CACHE_SIZE:
+                self._as_other.clear()
+            self._as_other[found.row] = other
+        return other
+
     def ingest(self, agent_id: str, message: ExportMetricsServiceRequest) -> IngestResult:
         for resource_metrics in message.resource_metrics:
             sender = _attributes(resource_metrics.resource.attributes).get("service.instance.id")
@@ -184,7 +217,7 @@ class Ingestor:
         accepted = rejected = 0
         reasons: set[str] = set()
         with self._lock:
-            known = self._known[agent_id]
+            known, tenants = self._known[agent_id], self._tenants[agent_id]
             for resource_metrics in message.resource_metrics:
                 for scope in resource_metrics.scope_metrics:
                     for metric in scope.metrics:
@@ -210,7 +243,10 @@ class Ingestor:
                                     rejected += 1
                                     reasons.add(fit.problem)
                                     continue
-                            found = self._series(name, dp.attributes, None if fit is None else fit.bounds)
+                            found = stream = self._series(name, dp.attributes, None if fit is None else fit.bounds)
+                            tenant = found.attributes.get(ATTR_TENANT)
+                            if tenant is not None and (not isinstance(tenant, str) or tenant not in tenants):
+                                found = self._tenant(tenants, tenant, found, name, fit)
                             series = found.series
                             if series not in known and len(known) >= self.max_series_per_agent:
                                 rejected += 1
@@ -218,8 +254,9 @@ class Ingestor:
                                 continue
                             known.add(series)
                             accepted += 1
-                            self._fold(rollups, agent_id, found.row, name, kind, found.attributes, dp, cumulative,
-                                       fit)  # fmt: skip
+                            # A cumulative stream's deltas are its own (tenants folded into `other` each keep theirs)
+                            self._fold(rollups, (agent_id, stream.row), found.row, name, kind, found.attributes, dp,
+                                       cumulative, fit)  # fmt: skip
             said = sorted(reasons)[:_REASONS_SAID]  # each refused layout is a reason: an export may bring many
             more = f"; and {len(reasons) - len(said)} more" if len(reasons) > len(said) else ""
             result = IngestResult(accepted, rejected, "; ".join(said) + more)
@@ -259,9 +296,10 @@ class Ingestor:
         if pending.error is not None:
             raise pending.error
 
-    def _fold(self, rollups: dict[tuple[str, datetime], _Rollup], agent_id: str, series: str, name: str, kind: str,
-              attributes: dict[str, Any], dp: Any, cumulative: bool, fit: Fit | None) -> None:  # fmt: skip
-        """Add a point to its minute's rollup (a histogram's on the bounds `fit` stores it on)."""
+    def _fold(self, rollups: dict[tuple[str, datetime], _Rollup], stream: tuple[str, str], series: str, name: str,
+              kind: str, attributes: dict[str, Any], dp: Any, cumulative: bool, fit: Fit | None) -> None:  # fmt: skip
+        """Add a point of `stream` (agent, the row key of its series as sent) to its minute's rollup in row `series`
+        (a histogram's on the bounds `fit` stores it on)."""
         key = (series, _minute(dp.time_unix_nano))
         if kind == "gauge":
             value = float(dp.as_double if dp.WhichOneof("value") == "as_double" else dp.as_int)
@@ -274,11 +312,11 @@ class Ingestor:
             return
         if kind == "sum":
             value = float(dp.as_double if dp.WhichOneof("value") == "as_double" else dp.as_int)
-            point = Point((agent_id, series), "sum", dp.start_time_unix_nano, dp.time_unix_nano, value=value,
+            point = Point(stream, "sum", dp.start_time_unix_nano, dp.time_unix_nano, value=value,
                           cumulative=cumulative)  # fmt: skip
         else:
             assert fit is not None
-            point = Point((agent_id, series), "histogram", dp.start_time_unix_nano, dp.time_unix_nano,
+            point = Point(stream, "histogram", dp.start_time_unix_nano, dp.time_unix_nano,
                           count=dp.count, total=dp.sum, buckets=fit.buckets(dp.bucket_counts), bounds=fit.bounds,
                           cumulative=cumulative)  # fmt: skip
         delta = self.tracker.delta(point)

@@ -26,6 +26,7 @@ from controlplane.db.repository import Actor, record_event
 from controlplane.rules.engine import Hysteresis, State, Transition, advance
 from controlplane.rules.observe import Observer, Seen, read_gauges
 from controlplane.rules.policy import Active, compose, document, same_content, stepped_action
+from controlplane.rules.tenants import locked_policies, placed_tenants, tenants_by_agent, tenants_for
 from controlplane.schemas.rules import RuleSpec, parse_rules
 from controlplane.slo import SloWindows
 
@@ -178,12 +179,13 @@ class ControlLoop:
                 continue
             active[agent_id].append(Active(rule.id, rule.name, rule.action, rule.selector.model, state.step,
                                            _dt(state.fired_at)))  # fmt: skip
-        stored = {p.agent_id: p for p in session.scalars(select(Policy))}
+        stored = locked_policies(session)  # before the tenants are read: a tenant change and this take turns
+        tenants = tenants_by_agent(session, agents.values())
         published = {}
         for agent_id, items in active.items():
             content = compose(agent_id, items, buckets_ms=self.defaults.buckets_ms,
                               export_interval_s=self.defaults.export_interval_s,
-                              poll_interval_s=self.defaults.poll_interval_s)  # fmt: skip
+                              poll_interval_s=self.defaults.poll_interval_s, tenants=tenants[agent_id])  # fmt: skip
             row = stored.get(agent_id)
             if row is not None and same_content(row.document, content):
                 continue
@@ -206,9 +208,11 @@ def current_policy(session: Session, agent_id: str, defaults: PolicyDefaults) ->
     row = session.get(Policy, agent_id)
     if row is not None:
         return row
+    agent = session.get(Agent, agent_id)
+    tenants = tenants_for(agent.labels if agent is not None else {}, placed_tenants(session))
     full, etag = document(compose(agent_id, [], buckets_ms=defaults.buckets_ms,
                                   export_interval_s=defaults.export_interval_s,
-                                  poll_interval_s=defaults.poll_interval_s), 1)  # fmt: skip
+                                  poll_interval_s=defaults.poll_interval_s, tenants=tenants), 1)  # fmt: skip
     row = Policy(agent_id=agent_id, version=1, etag=etag, document=full, updated_at=utcnow())
     session.add(row)
     session.flush()

@@ -8,10 +8,13 @@
   count them (`SloSpec.of_rule`);
 - `error_ratio`: the share of this agent's requests with a bad outcome over the window;
 - `gauge`: the agent's latest reading (queue depth of the selected models, GPU memory free, temperature,
-  utilisation) from the last two minutes of rollups; for generative models (the selected ones, or all): KV-cache
-  use (blocks held / the budget's blocks, summed over the models), sequences preempted in the last whole minute
-  (the counter's delta rollup: the current minute is still filling), streams in flight. An agent that reported
-  none of a generative model's series in the last two minutes has no reading: the condition is not met;
+  utilisation) from the last two minutes of rollups. GPU memory free is the worst device's (per `hw.id`, a MIG
+  device being one; readings without it one device): the fewest bytes free, the smallest share free, since a model
+  loads on one device and memory free summed over several says nothing about any of them; temperature and
+  utilisation are the highest. For generative models (the selected ones, or all): KV-cache use (blocks held / the
+  budget's blocks, summed over the models), sequences preempted in the last whole minute (the counter's delta
+  rollup: the current minute is still filling), streams in flight. An agent that reported none of a generative
+  model's series in the last two minutes has no reading: the condition is not met;
 - `stale`: how long since the agent last reported (an agent that never reported is not stale: not yet started).
 
 A ratio condition under its `min_requests` is not met: a quiet device with one slow request is not an incident.
@@ -75,13 +78,19 @@ def _per_model(readings: dict[str, float], model: str | None) -> float | None:
     return sum(readings.values()) if readings else None
 
 
+ATTR_HW_ID = "hw.id"  # OpenTelemetry's hardware conventions: the device a reading is of
+NO_DEVICE = ""
+"""The device of GPU memory readings without `hw.id` (from agents or probes that name none): one device."""
+
+
 @dataclass
 class AgentGauges:
-    """An agent's latest device, queue and generation readings (per model where the metric has a model)."""
+    """An agent's latest device, queue and generation readings (per model where the metric has a model, per
+    device for GPU memory)."""
 
     queue_depth: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    gpu_memory_used: float | None = None
-    gpu_memory_limit: float | None = None
+    gpu_memory_used: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # by hw.id
+    gpu_memory_limit: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # by hw.id
     gpu_utilization: float | None = None
     gpu_temperature_c: float | None = None
     kv_blocks_used: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -91,11 +100,38 @@ class AgentGauges:
     preemptions: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def details(self, metric: GaugeMetric, model: str | None) -> dict[str, Any]:
-        """The readings a derived value comes from, for the events (KV blocks behind the use ratio)."""
+        """The readings a derived value comes from, for the events (KV blocks behind the use ratio, the device
+        whose GPU memory is compared and its readings)."""
         if metric == "kv_cache_use_ratio":
             return {"kv_blocks_used": _per_model(self.kv_blocks_used, model),
                     "kv_blocks_total": _per_model(self.kv_blocks_total, model)}  # fmt: skip
+        if metric in ("gpu_memory_free_bytes", "gpu_memory_free_ratio"):
+            worst = self._worst_device(metric)
+            if worst is None:
+                return {}
+            return {"device": worst or None, "gpu_memory_used": self.gpu_memory_used[worst],
+                    "gpu_memory_limit": self.gpu_memory_limit[worst],
+                    "devices": len(self._gpu_free(metric))}  # fmt: skip
         return {}
+
+    def _gpu_free(self, metric: GaugeMetric) -> dict[str, float]:
+        """Per device with both readings (and, for the ratio, a limit above 0): its free bytes or share free."""
+        free: dict[str, float] = {}
+        for device, limit in self.gpu_memory_limit.items():
+            used = self.gpu_memory_used.get(device)
+            if used is None:
+                continue
+            if metric == "gpu_memory_free_bytes":
+                free[device] = limit - used
+            elif limit > 0:
+                free[device] = 1.0 - used / limit
+        return free
+
+    def _worst_device(self, metric: GaugeMetric) -> str | None:
+        """The device with the least GPU memory free (by bytes or by share, as `metric` compares); ties: the first
+        by id. None when no device has both readings."""
+        free = self._gpu_free(metric)
+        return min(sorted(free), key=lambda device: free[device]) if free else None
 
     def value(self, metric: GaugeMetric, model: str | None) -> float | None:
         """The reading a gauge condition compares, for `model` (None: every model); None when there is none."""
@@ -110,14 +146,9 @@ class AgentGauges:
             if model is not None:
                 return self.queue_depth.get(model, 0.0) if self.queue_depth else None
             return sum(self.queue_depth.values()) if self.queue_depth else None
-        if metric == "gpu_memory_free_bytes":
-            if self.gpu_memory_used is None or self.gpu_memory_limit is None:
-                return None
-            return self.gpu_memory_limit - self.gpu_memory_used
-        if metric == "gpu_memory_free_ratio":
-            if self.gpu_memory_used is None or not self.gpu_memory_limit:
-                return None
-            return 1.0 - self.gpu_memory_used / self.gpu_memory_limit
+        if metric == "gpu_memory_free_bytes" or metric == "gpu_memory_free_ratio":  # `==` narrows the Literal
+            free = self._gpu_free(metric)
+            return min(free.values()) if free else None
         if metric == "gpu_temperature_c":
             return self.gpu_temperature_c
         if metric == "gpu_utilization":
@@ -157,14 +188,20 @@ def read_gauges(session: Session, now: datetime) -> dict[str, AgentGauges]:
         elif rollup.metric == ACTIVE_STREAMS:
             g.active_streams[model] += last
         elif rollup.metric == GPU_MEMORY_USAGE:
-            g.gpu_memory_used = (g.gpu_memory_used or 0.0) + last
+            g.gpu_memory_used[_device(rollup)] += last
         elif rollup.metric == GPU_MEMORY_LIMIT:
-            g.gpu_memory_limit = (g.gpu_memory_limit or 0.0) + last
+            g.gpu_memory_limit[_device(rollup)] += last
         elif rollup.metric == GPU_UTILIZATION:
             g.gpu_utilization = max(g.gpu_utilization or 0.0, last)
         elif rollup.metric == TEMPERATURE:
             g.gpu_temperature_c = max(g.gpu_temperature_c or -273.0, last)
     return gauges
+
+
+def _device(rollup: Rollup) -> str:
+    """The device a GPU memory reading is of: its `hw.id`; readings without one are one device together."""
+    device = rollup.attributes.get(ATTR_HW_ID)
+    return NO_DEVICE if device is None else str(device)
 
 
 def _reading(rollup: Rollup) -> float:

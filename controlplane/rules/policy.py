@@ -45,6 +45,7 @@ from controlplane.schemas.rules import (
     unknown_kind,
 )
 from spillway.contract.policy import ALL_MODELS, Cause, Fallback, ModelPolicy, Overflow, PolicyDocument, Shed
+from spillway.contract.tenants import Tenant
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,9 @@ def stepped_action(action: Action, step: int) -> Action:
 
 
 def compose(agent_id: str, active: list[Active], *, buckets_ms: list[float], export_interval_s: float,
-            poll_interval_s: float) -> PolicyDocument:  # fmt: skip
-    """The document for `agent_id` with these rules in force, at version 0 (`document` gives it its version).
+            poll_interval_s: float, tenants: list[Tenant] | None = None) -> PolicyDocument:  # fmt: skip
+    """The document for `agent_id` with these rules in force and these tenants on it (`rules/tenants.py`), at
+    version 0 (`document` gives it its version).
 
     Raises:
         ValidationError: a composition the agent would refuse (validated with the agent's own schema).
@@ -158,7 +160,7 @@ def compose(agent_id: str, active: list[Active], *, buckets_ms: list[float], exp
     return PolicyDocument(
         agent=agent_id, version=0, models={name: ModelPolicy(**fields) for name, fields in models.items()},
         latency_buckets_ms=sorted(buckets_ms), export_interval_s=export_interval_s, poll_interval_s=poll_interval_s,
-        causes=causes,
+        causes=causes, tenants=tenants,
     )  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from controlplane.schemas.common import Name, Stored, Strict, partial
+from spillway.contract.tenants import MAX_TENANTS, NAME_PATTERN
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 _MODEL_NAME: TypeAdapter[str] = TypeAdapter(ModelName)
@@ -38,6 +39,11 @@ def is_model_name(value: str) -> bool:
         return False
     return True
 
+
+TenantName = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=NAME_PATTERN)]
+"""A tenant as the gateway counts it: the name an agent sends in `spillway-tenant` (`default`: requests naming
+none, as from agents without tenants; `other`: what the agents call a tenant they do not know)."""
+Share = Annotated[float, Field(gt=0, le=1)]
 
 BackendProtocol = Literal["v2", "v2_grpc", "openai"]
 _GRPC_URL = re.compile(r"^(?:(grpcs?)://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?):(\d{1,5})/?$")
@@ -78,6 +84,13 @@ class BackendSpec(Strict):
     timeout_ms: int = Field(default=10_000, ge=1, le=600_000)
     binary_tensors: bool = Field(
         default=True, description="accepts the binary tensor data extension (v2; gRPC tensors always travel raw)"
+    )
+    tenant_share: dict[TenantName, Share] = Field(
+        default_factory=dict,
+        max_length=MAX_TENANTS,
+        description="tenant -> the most of this backend's in-flight requests (a fraction of max_concurrency, at "
+        "least one request) that tenant may hold; over it, its request tries another backend, else 429 "
+        "tenant_quota. A tenant not named is not capped; 'default' is the requests that name no tenant",
     )
 
     @field_validator("url")

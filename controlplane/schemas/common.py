@@ -133,14 +133,22 @@ class Strict(BaseModel):
         return data
 
 
-class Selector(Strict):
-    """Which agents (all of these labels) and which model (any when absent) something applies to."""
+class AgentSelector(Strict):
+    """Which agents something applies to: those with all of these labels (no labels: every agent)."""
 
     labels: Labels = Field(default_factory=dict)
+
+    def selects(self, agent_labels: dict[str, str]) -> bool:
+        return all(agent_labels.get(k) == v for k, v in self.labels.items())
+
+
+class Selector(AgentSelector):
+    """Which agents (all of these labels) and which model (any when absent) something applies to."""
+
     model: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
 
     def matches(self, agent_labels: dict[str, str], model: str | None = None) -> bool:
-        if any(agent_labels.get(k) != v for k, v in self.labels.items()):
+        if not self.selects(agent_labels):
             return False
         return self.model is None or model is None or self.model == model
 

@@ -8,6 +8,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from controlplane.schemas.common import Name, PositiveDuration, Selector, Stored, Strict, partial
 from spillway.contract.names import GENAI_TPOT_BUCKETS, GENAI_TTFT_BUCKETS
+from spillway.contract.tenants import NAME_PATTERN
 
 SliKind = Literal["latency", "availability", "ttft", "tpot"]
 """`latency`: share of requests served within `threshold_ms` (spillway.request.duration); `availability`: share
@@ -73,10 +74,22 @@ def default_alert_windows(window: int = WORKBOOK_WINDOW) -> list[AlertWindow]:
     return windows
 
 
+class SloSelector(Selector):
+    """Which agents (all of these labels), which model (any when absent) and which tenant (every one when absent) an
+    SLO counts the requests of."""
+
+    tenant: str | None = Field(
+        default=None, min_length=1, max_length=63, pattern=NAME_PATTERN,
+        description="only this tenant's requests (streams), by the name the agents' telemetry gives it "
+        "(`spillway.tenant`): a tenant's name, `default` (the operator's own token, and agents without tenants) or "
+        "`other` (tenants an agent does not know)",
+    )  # fmt: skip
+
+
 class SloCreate(Strict):
     name: Name
     description: str = Field(default="", max_length=2000)
-    selector: Selector = Field(default_factory=Selector)
+    selector: SloSelector = Field(default_factory=SloSelector)
     sli_kind: SliKind
     threshold_ms: float | None = Field(
         default=None, gt=0, le=3_600_000,
@@ -129,6 +142,7 @@ __all__ = [
     "SloCreate",
     "SloPatch",
     "SloRead",
+    "SloSelector",
     "default_alert_windows",
     "genai_threshold_problem",
 ]

@@ -11,6 +11,9 @@ previous minute (which exports may still be adding to; a late cumulative export 
 and *replaces* those minutes here, so replicas that each keep their own windows agree and a restart loses
 nothing. A change of the SLO (its version) or of the agents it selects reloads what changed from the database.
 A rollup of an older minute that changes later (an out-of-order export) counts once the SLO is next read whole.
+
+An SLO whose selector names a `tenant` counts that tenant's requests (streams) only: rollups whose `spillway.tenant`
+is that name (`default`: also those without the attribute, from agents before tenants; `query.tenant_of`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controlplane.db.models import Agent, Rule, Slo, utcnow
-from controlplane.query import Rollup, RollupReader
+from controlplane.query import Rollup, RollupReader, tenant_of
 from controlplane.schemas.rules import ErrorRatioCondition, LatencyCondition, RuleSpec, parse_rules
 from controlplane.slo.maths import (
     GOOD_OUTCOMES,
@@ -90,6 +93,7 @@ class SloSpec:
     window: int
     alerts: tuple[dict[str, Any], ...]
     source: str = "slo"  # slo | rule (a rule's latency or error-ratio condition, counted the same way)
+    tenant: str | None = None  # only this tenant's events (the selector's `tenant`); None: every tenant's
 
     @classmethod
     def of_rule(cls, rule: RuleSpec) -> SloSpec | None:
@@ -108,7 +112,7 @@ class SloSpec:
         return cls(
             id=f"rule:{rule.id}", version=rule.version, name=rule.name, sli_kind=sli_kind, threshold_s=threshold_s,
             model=rule.selector.model, labels=dict(rule.selector.labels), objective=0.0, window=window, alerts=(),
-            source="rule",
+            source="rule", tenant=_tenant(getattr(rule.selector, "tenant", None)),
         )  # fmt: skip
 
     @classmethod
@@ -118,7 +122,7 @@ class SloSpec:
             id=row.id, version=row.version, name=row.name, sli_kind=row.sli_kind,
             threshold_s=None if row.threshold_ms is None else row.threshold_ms / 1000, model=selector.get("model"),
             labels=dict(selector.get("labels") or {}), objective=row.objective, window=row.window,
-            alerts=tuple(dict(a) for a in row.alert_windows),
+            alerts=tuple(dict(a) for a in row.alert_windows), tenant=_tenant(selector.get("tenant")),
         )  # fmt: skip
 
     @property
@@ -136,6 +140,8 @@ class SloSpec:
     def counts(self, rollup: Rollup) -> tuple[float, float] | None:
         """(good, total) events of one rollup for this SLO, or None when the rollup is not its business."""
         genai = self.sli_kind in _GENAI_KINDS
+        if self.tenant is not None and tenant_of(rollup.attributes) != self.tenant:
+            return None
         if self.model is not None and rollup.attributes.get(ATTR_GENAI_MODEL if genai else ATTR_MODEL) != self.model:
             return None
         outcome = rollup.attributes.get(ATTR_OUTCOME)
@@ -147,6 +153,11 @@ class SloSpec:
             good = good_under_threshold(histogram.buckets, histogram.bounds, self.threshold_s) if histogram else 0.0
             return good, rollup.count
         return (rollup.total if outcome in GOOD_OUTCOMES else 0.0), rollup.total
+
+
+def _tenant(value: Any) -> str | None:
+    """A selector's tenant as stored (the API checked it against the contract's NAME_PATTERN); none: every tenant."""
+    return None if value is None or value == "" else str(value)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import streamlit as st
 from dashboards import charts, session
 from dashboards.describe import clock, event_numbers, event_subject
 
-KINDS = ("rule.*", "rule.would_*", "policy.published", "slo.*", "backend.*", "agent.*", "api_key.*")
+KINDS = ("rule.*", "rule.would_*", "policy.published", "slo.*", "backend.*", "agent.*", "api_key.*", "tenant.*")
 SPANS = {"last 15 minutes": timedelta(minutes=15), "last hour": timedelta(hours=1), "last day": timedelta(days=1),
          "last week": timedelta(days=7), "all time": None}  # fmt: skip
 PAGE = 100

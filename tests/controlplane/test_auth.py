@@ -70,7 +70,7 @@ def required_role(method: str, path: str) -> str:
         return "admin"
     if method == "GET" and path.startswith("/api/v1/"):
         return "viewer"
-    if path.startswith("/api/v1/agents"):
+    if path.startswith(("/api/v1/agents", "/api/v1/tenants")):  # tenants hold tokens: admin, as keys and agents
         return "admin"
     if re.match(r"^/api/v1/(slos|rules|backends)(/\{item_id\})?$", path):
         return "editor"

@@ -15,7 +15,19 @@ from controlplane.db import Base, make_engine
 from controlplane.db.migrate import alembic_config, head_revision
 from controlplane.db.models import Backend
 
-TABLES = {"agents", "api_keys", "slos", "rules", "backends", "events", "metric_rollups", "policies", "rule_states"}
+TABLES = {
+    "agents",
+    "api_keys",
+    "slos",
+    "rules",
+    "backends",
+    "events",
+    "metric_rollups",
+    "policies",
+    "rule_states",
+    "tenants",
+    "tenant_tokens",
+}
 
 
 def _tables(url: str) -> set[str]:

@@ -20,6 +20,7 @@ PAGES = {
     "rules": "views/rules.py",
     "backends": "views/backends.py",
     "events": "views/events.py",
+    "tenants": "views/tenants.py",
 }
 
 

@@ -54,4 +54,11 @@ def make_agent(**over: Any) -> dict[str, Any]:
     return {**body, **over}
 
 
-BUILDERS = {"slos": make_slo, "rules": make_rule, "backends": make_backend, "agents": make_agent}
+def make_tenant(**over: Any) -> dict[str, Any]:
+    body = {"name": _name("tenant"), "selector": {"labels": {"site": "berlin"}}, "weight": 2, "max_in_flight": 16,
+            "rate_rps": 100.0}  # fmt: skip
+    return {**body, **over}
+
+
+BUILDERS = {"slos": make_slo, "rules": make_rule, "backends": make_backend, "agents": make_agent,
+            "tenants": make_tenant}  # fmt: skip
