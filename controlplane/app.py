@@ -15,7 +15,19 @@ from sqlalchemy import text
 
 from controlplane import __version__
 from controlplane.api import access as access_routes
-from controlplane.api import agent_metrics, events, ingest, monitoring, policy, status, tenants
+from controlplane.api import (
+    agent_metrics,
+    events,
+    history,
+    ingest,
+    monitoring,
+    openslo,
+    policy,
+    prometheus_rules,
+    status,
+    tenants,
+    whoami,
+)
 from controlplane.api.authn import Authenticate
 from controlplane.api.deps import Viewer, require_admin, require_editor, require_viewer
 from controlplane.api.errors import install_error_handlers
@@ -114,6 +126,11 @@ def _api_router(settings: Settings, gateway: Gateway) -> APIRouter:
     ]
     agent_kind = ResourceKind("agent", Agent, AgentCreate, agent_reader(settings.stale_after_s))
     kinds.append((agent_kind, "agents", AgentRead, AgentPatch, require_admin, False, None))
+    # Before the resource routers: their `GET /slos/{id}` would take `/slos/prometheus-rules` for an id.
+    api.include_router(openslo.openslo_router(slo_kind))
+    api.include_router(prometheus_rules.router)
+    api.include_router(history.router)
+    api.include_router(whoami.router)
     api.include_router(access_routes.agent_enrolment_router(agent_kind))
     for kind, plural, read_model, patch_model, writer, with_create, on_change in kinds:
         api.include_router(

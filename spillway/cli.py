@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
+from spillway.slo_cli import slo_app  # typer, httpx and yaml only: a lean install imports it too
+
 if TYPE_CHECKING:
     from controlplane.settings import Settings
 
@@ -22,6 +24,7 @@ models_app = typer.Typer(help="Model repository tools.", no_args_is_help=True)
 app.add_typer(controlplane_app, name="controlplane")
 app.add_typer(agent_app, name="agent")
 app.add_typer(models_app, name="models")
+app.add_typer(slo_app, name="slo")
 
 
 def _settings(**overrides: Any) -> Settings:

@@ -1,0 +1,9 @@
+"""(being written)"""
+
+from typing import Any
+
+from fastapi import APIRouter
+
+
+def openslo_router(kind: Any) -> APIRouter:
+    return APIRouter()
