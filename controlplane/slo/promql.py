@@ -78,8 +78,9 @@ class SliQuery:
         return f"sum(rate({selector}[{window(seconds)}]))"
 
     def error_ratio(self, seconds: int) -> str:
-        """Bad / total over a window; no value (not 0, not NaN's +Inf) where there was no traffic."""
-        return f"1 - ({self.rate('good', seconds)} / {self.rate('total', seconds)})"
+        """Bad / total over a window; no value (not 0, not NaN) where there was no traffic: a window without events
+        is neither good nor bad, as the control plane judges it."""
+        return f"1 - ({self.rate('good', seconds)} / ({self.rate('total', seconds)} > 0))"
 
 
 def matchers(sli_kind: str, selector: Mapping[str, Any]) -> list[str]:

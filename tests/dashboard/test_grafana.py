@@ -1,7 +1,9 @@
 """The Grafana dashboard queries metrics that exist: the agents' OpenTelemetry instruments (the V2 models', and the
 generative models' OTel GenAI histograms, KV-cache, preemption and stream gauges) under the names an OTLP collector
-gives them in Prometheus, and the control plane's own /metrics as a running one serves them; and its label matchers,
-groupings and legends name labels those series carry (the agents' attributes, dots to underscores)."""
+gives them in Prometheus, the control plane's own /metrics as a running one serves them, and the SLO recording rules
+and alerts the control plane generates (`controlplane.slo.prometheus_rules`, read from a generated rule file, not a
+list kept here); its label matchers, groupings and legends name labels those series carry (the agents' attributes,
+dots to underscores; the rules' labels); and no query or colour step hard-codes an SLO's objective or burn rate."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from controlplane.app import create_app
+from controlplane.schemas.slos import SloRead
 from controlplane.settings import Settings
+from controlplane.slo.prometheus_rules import rule_file
 from edge_agent.telemetry import AgentTelemetry, TelemetrySettings
 from edge_agent.telemetry.probes import GPU_GAUGES
 from spillway.contract import names
@@ -34,6 +39,38 @@ LEGEND = re.compile(r"\{\{(\w+)\}\}")
 LABEL_VALUES = re.compile(r"label_values\([^,]*, (\w+)\)")
 # Labels every scraped series has (the collector's `instance` is the agent id), histograms' `le`, and the GPU probes'.
 COMMON_LABELS = {"instance", "job", "le", "hw_id", "hw_type"}
+RULE_NAME = re.compile(r"\bslo:[a-z0-9_:]+")  # recording rules (Sloth's `slo:` names)
+NAME_REGEX = re.compile(r'__name__=~"([^"]*)"')
+ALERT_NAME = re.compile(r'\bALERTS\{[^}]*alertname="(\w+)"')
+RELABELLED = re.compile(r'"(\w+)", "[^"]*", "", ""\)')  # label_replace(..., "dst", "value", "", "") in alert exprs
+# A number compared against, `vector(<number>)`, or arithmetic on an objective: a threshold the SLOs should give.
+HARD_CODED = re.compile(r"(?:[<>]=?|==|!=)\s*(?:bool\s+)?[\d.]|\bvector\(\s*[\d.]|\(1 - \$|\$objective")
+NEUTRAL_STEPS = {
+    None,
+    0,
+    1,
+}  # colour steps allowed: the base colour, overspent (< 0), burning faster than allowed (> 1)
+
+
+def _slo(ident: str, **fields: Any) -> SloRead:
+    return SloRead.model_validate({"id": ident, "version": 1, "created_at": "2026-01-01T00:00:00Z",
+                                   "updated_at": "2026-01-01T00:00:00Z", **fields})  # fmt: skip
+
+
+def rule_series(labels: set[str] | None = None) -> tuple[set[str], set[str]]:
+    """(recorded series names, alert names) of a rule file the control plane generates for SLOs of every kind; the
+    labels of the recorded series and of the alerts (Prometheus' ALERTS series) are added to `labels`."""
+    slos = [_slo("s1", name="avail", sli_kind="availability", objective=99.5, selector={"model": "mlp"}),
+            _slo("s2", name="lat", sli_kind="latency", threshold_ms=50, objective=99, window="7d"),
+            _slo("s3", name="ttft", sli_kind="ttft", threshold_ms=500, objective=95),
+            _slo("s4", name="tpot", sli_kind="tpot", threshold_ms=100, objective=99.9, window="1d")]  # fmt: skip
+    rules = [rule for group in yaml.safe_load(rule_file(slos))["groups"] for rule in group["rules"]]
+    found = labels if labels is not None else set()
+    for rule in rules:
+        found |= set(rule.get("labels", {}))
+        if "alert" in rule:
+            found |= {"alertname", "alertstate"} | set(RELABELLED.findall(rule["expr"]))
+    return {rule["record"] for rule in rules if "record" in rule}, {rule["alert"] for rule in rules if "alert" in rule}
 
 
 def prometheus_name(name: str, unit: str, kind: str) -> str:
@@ -117,6 +154,14 @@ def test_every_query_names_a_metric_that_exists(tmp_path: Path) -> None:
     used = {name for expr in exprs for name in NAME.findall(LABELS.sub("", expr))}
     assert used - known == set()
     assert generative <= used  # the generative panels: TTFT, TPOT, tokens/s, KV cache, preemptions, streams
+    recorded, alerts = rule_series()
+    used_rules = {name for expr in exprs for name in RULE_NAME.findall(LABELS.sub("", expr))}
+    assert used_rules - recorded == set()
+    assert {"slo:objective:ratio", "slo:burn_rate:ratio", "slo:alert_burn_rate_threshold:ratio",
+            "slo:period_error_budget_remaining:ratio", "slo:current_burn_rate:ratio"} <= used_rules  # fmt: skip
+    for pattern in (p for expr in exprs for p in NAME_REGEX.findall(expr)):
+        assert any(re.fullmatch(pattern, name) for name in recorded), pattern
+    assert {name for expr in exprs for name in ALERT_NAME.findall(expr)} == alerts
     for expr in exprs:
         assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
 
@@ -125,9 +170,10 @@ def test_every_label_a_query_names_is_one_the_series_carry(tmp_path: Path) -> No
     """Matchers, groupings, legends and label_values name labels that exist: the agents' point attributes as the
     collector turns them into labels (`spillway.model` -> `spillway_model`), the control plane's, the common ones."""
     dashboard = json.loads(DASHBOARD.read_text())
-    known = set(COMMON_LABELS)
+    known = set(COMMON_LABELS) | {"__name__"}
     agent_series(known)
     control_plane_series(tmp_path, known)
+    rule_series(known)
     assert {"spillway_model", "spillway_priority", "spillway_outcome", "spillway_policy_source"} <= known
     targets = [t for p in panels(dashboard) for t in p.get("targets", [])]
     definitions = [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
@@ -136,8 +182,21 @@ def test_every_label_a_query_names_is_one_the_series_carry(tmp_path: Path) -> No
         used |= set(MATCHER.findall(expr)) | set(LABEL_VALUES.findall(expr))
         used |= {label.strip() for group in GROUPING.findall(expr) for label in group.split(",") if label.strip()}
     used |= {label for t in targets for label in LEGEND.findall(t.get("legendFormat", ""))}
-    assert {"spillway_model", "spillway_outcome", "spillway_priority"} <= used
+    assert {"spillway_model", "spillway_outcome", "spillway_priority", "spillway_slo", "spillway_window"} <= used
     assert used - known == set()
+
+
+def test_nothing_is_a_hard_coded_threshold() -> None:
+    """Objectives and burn-rate thresholds come from the SLOs' recorded rules (`slo:objective:ratio`,
+    `slo:alert_burn_rate_threshold:ratio`), never from a number in a query or a colour step of the dashboard."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    assert [expr for expr in exprs if HARD_CODED.search(expr)] == []
+    for panel in panels(dashboard):
+        steps = panel.get("fieldConfig", {}).get("defaults", {}).get("thresholds", {}).get("steps", [])
+        assert {step["value"] for step in steps} <= NEUTRAL_STEPS, panel["title"]
+    assert "objective" not in {v["name"] for v in dashboard["templating"]["list"]}
 
 
 def test_panels_are_laid_out_without_overlap_and_use_the_datasource_variable() -> None:
