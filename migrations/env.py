@@ -17,7 +17,13 @@ target_metadata = Base.metadata
 
 
 def run_migrations_offline() -> None:
-    context.configure(url=url, target_metadata=target_metadata, literal_binds=True, render_as_batch=True)
+    context.configure(
+        url=url,
+        target_metadata=target_metadata,
+        literal_binds=True,
+        render_as_batch=True,
+        on_version_apply=config.attributes.get("on_version_apply", ()),
+    )
     with context.begin_transaction():
         context.run_migrations()
 
@@ -25,7 +31,12 @@ def run_migrations_offline() -> None:
 def run_migrations_online() -> None:
     connectable = config.attributes.get("connection")
     if connectable is not None:
-        context.configure(connection=connectable, target_metadata=target_metadata, render_as_batch=True)
+        context.configure(
+            connection=connectable,
+            target_metadata=target_metadata,
+            render_as_batch=True,
+            on_version_apply=config.attributes.get("on_version_apply", ()),
+        )
         with context.begin_transaction():
             context.run_migrations()
         return
@@ -33,7 +44,12 @@ def run_migrations_online() -> None:
     try:
         with engine.connect() as connection:
             # SQLite: ALTERs are done by batch (copy and move) so every revision works on both backends.
-            context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
+            context.configure(
+                connection=connection,
+                target_metadata=target_metadata,
+                render_as_batch=True,
+                on_version_apply=config.attributes.get("on_version_apply", ()),
+            )
             with context.begin_transaction():
                 context.run_migrations()
     finally:

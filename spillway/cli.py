@@ -7,6 +7,7 @@ control-plane or dashboard command says which extra to install."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -100,6 +101,8 @@ def _log_config() -> dict[str, Any]:
     config = copy.deepcopy(LOGGING_CONFIG)
     config.setdefault("filters", {})["no_gateway"] = {"()": "controlplane.gateway.dispatch.NotGatewayAccess"}
     config["handlers"]["access"]["filters"] = ["no_gateway"]
+    # migrate-on-start says each revision it applies, with its duration (controlplane/db/migrate.py)
+    config["loggers"]["spillway.controlplane.migrate"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
     return config
 
 
@@ -109,8 +112,14 @@ def migrate(revision: Annotated[str, typer.Option(help="target revision")] = "he
     from controlplane.db.migrate import migrate_to
 
     settings = _settings()
-    migrate_to(settings.database_url, revision)
-    typer.echo(f"database at {revision}", err=True)
+    started = time.monotonic()
+    applied = migrate_to(settings.database_url, revision, say=_say_err)
+    typer.echo(f"database at {revision} ({applied} revision{'s' if applied != 1 else ''} applied in "
+               f"{time.monotonic() - started:.1f} s)", err=True)  # fmt: skip
+
+
+def _say_err(line: str) -> None:
+    typer.echo(line, err=True)
 
 
 @controlplane_app.command()
@@ -118,8 +127,8 @@ def downgrade(revision: Annotated[str, typer.Option(help="target revision, e.g. 
     """Downgrade the database schema to a revision."""
     from controlplane.db.migrate import downgrade_to
 
-    downgrade_to(_settings().database_url, revision)
-    typer.echo(f"database at {revision}", err=True)
+    undone = downgrade_to(_settings().database_url, revision, say=_say_err)
+    typer.echo(f"database at {revision} ({undone} revision{'s' if undone != 1 else ''} undone)", err=True)
 
 
 @controlplane_app.command("create-key")
@@ -287,17 +296,20 @@ def build_demo(
     decoder `tiny-lm` (v1 3 layers, v2 lite 1 layer) with its byte-level tokenizer and chat template. With `--size
     bench`, only the decoder `tiny-lm-bench` v1 instead (width 512, 4 layers, 8 heads, 4 KV heads, context 1024; the
     same tokenizer and template), on which the model's compute dominates a step. Each version is named on stderr as
-    it is written."""
-    from spillway.demo.models import build_bench_repository, build_demo_repository
+    it is written, with its count and duration (a progress bar on a terminal)."""
+    from spillway.demo.models import DEMO_VERSIONS, build_bench_repository, build_demo_repository
+    from spillway.demo.progress import Steps
 
-    def built(line: str) -> None:
-        typer.echo(f"built {line}", err=True)
+    what = f"building the {size} model repository in {out} (seeded weights, no downloads)"
+    with Steps(what, total=1 if size == "bench" else DEMO_VERSIONS) as steps:
 
-    typer.echo(f"building the {size} model repository in {out} (seeded weights, no downloads)", err=True)
-    if size == "bench":
-        root = build_bench_repository(out, progress=built)
-    else:
-        root = build_demo_repository(out, progress=built)
+        def built(line: str) -> None:
+            steps.done(f"built {line}")
+
+        if size == "bench":
+            root = build_bench_repository(out, progress=built)
+        else:
+            root = build_demo_repository(out, progress=built)
     typer.echo(f"wrote {root} (serve it: spillway agent serve --model-repository {root})")
 
 
@@ -305,15 +317,20 @@ def build_demo(
 def agent_burst(
     url: Annotated[str, typer.Option(help="the agent's base URL")] = "http://127.0.0.1:8000",
     model: Annotated[str, typer.Option(help="model name")] = "mlp",
-    version: Annotated[str, typer.Option(help="model version")] = "1",
+    version: Annotated[
+        str | None, typer.Option(help="model version (default: none named, the version the agent serves by default)")
+    ] = None,
     requests: Annotated[int, typer.Option(min=1, max=100_000, help="how many requests")] = 600,
     concurrency: Annotated[int, typer.Option(min=1, max=1024, help="concurrent clients")] = 48,
 ) -> None:
-    """Send a short burst of mixed-priority traffic and print outcomes and latency per priority."""
+    """Send a short burst of mixed-priority traffic and print outcomes and latency per priority, and which versions
+    answered."""
     import asyncio
 
     from spillway.demo.burst import format_report, run_burst
 
+    route = f"version {version}" if version else "no version named: the agent's default"
+    typer.echo(f"{requests} requests to {model} ({route}) from {concurrency} clients at {url}")
     reports = asyncio.run(run_burst(url, model=model, version=version, requests=requests, concurrency=concurrency))
     typer.echo(format_report(reports))
 

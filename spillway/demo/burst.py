@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import statistics
 import time
 from collections import Counter
@@ -23,6 +24,7 @@ class PriorityReport:
     sent: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     latencies_ms: list[float] = field(default_factory=list)  # of requests served (outcome `local`)
+    versions: Counter[str] = field(default_factory=Counter)  # the `model_version` of each answer that names one
 
     def percentile(self, q: float) -> float | None:
         return nearest_rank(self.latencies_ms, q)
@@ -49,14 +51,16 @@ async def run_burst(
     url: str,
     *,
     model: str = "mlp",
-    version: str | None = "1",
+    version: str | None = None,
     requests: int = 600,
     concurrency: int = 48,
     mix: dict[int, tuple[float, int | None]] | None = None,
     width: int = 512,
     seed: int = 7,
 ) -> dict[int, PriorityReport]:
-    """Send `requests` requests from `concurrency` clients, priorities drawn from `mix`; every one is counted."""
+    """Send `requests` requests from `concurrency` clients, priorities drawn from `mix`; every one is counted. With
+    no `version` the requests name none (`/v2/models/{model}/infer`): the agent answers with its default version, or
+    the variant its policy serves in its place."""
     mix = mix or DEFAULT_MIX
     rng = random.Random(seed)  # noqa: S311 - reproducible test traffic, not secrets
     bodies = {p: _body(p, timeout, rng, width) for p, (_, timeout) in mix.items()}
@@ -86,7 +90,7 @@ async def run_burst(
                 started = time.perf_counter()
                 try:
                     writer.write(requests_bytes[priority])
-                    status, headers = await _read_response(reader)
+                    status, headers, body = await _read_response(reader)
                 except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
                     report.outcomes[f"transport error ({type(exc).__name__})"] += 1
                     return
@@ -96,6 +100,9 @@ async def run_burst(
                 report.outcomes[f"{outcome} ({reason})" if reason else outcome] += 1
                 if status == 200:
                     report.latencies_ms.append(elapsed_ms)
+                found = _MODEL_VERSION.search(body[:300]) if status == 200 else None
+                if found:
+                    report.versions[found.group(1).decode()] += 1
         finally:
             writer.close()
 
@@ -103,7 +110,10 @@ async def run_burst(
     return reports
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+_MODEL_VERSION = re.compile(rb'"model_version"\s*:\s*"([^"]*)"')
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split(" ", 2)[1])
@@ -112,8 +122,12 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, s
         name, _, value = line.partition(":")
         if name:
             headers[name.strip().lower()] = value.strip()
-    await reader.readexactly(int(headers.get("content-length", "0")))
-    return status, headers
+    return status, headers, await reader.readexactly(int(headers.get("content-length", "0")))
+
+
+def answered_versions(reports: dict[int, PriorityReport]) -> Counter[str]:
+    """How many answers each model version gave, over every priority."""
+    return sum((r.versions for r in reports.values()), Counter())
 
 
 def format_report(reports: dict[int, PriorityReport], mix: dict[int, tuple[float, int | None]] | None = None) -> str:
@@ -133,4 +147,7 @@ def format_report(reports: dict[int, PriorityReport], mix: dict[int, tuple[float
     if served:
         lines.append(f"\nserved {len(served)} of {sum(r.sent for r in reports.values())}, "
                      f"median {statistics.median(served):.1f} ms overall")  # fmt: skip
+    versions = answered_versions(reports)
+    if versions:
+        lines.append("answered by version " + ", ".join(f"{v}: {n}" for v, n in sorted(versions.items())))
     return "\n".join(lines)

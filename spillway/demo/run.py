@@ -20,7 +20,10 @@ import asyncio
 import signal
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -28,16 +31,21 @@ import yaml
 
 EXAMPLE_FLEET = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"
 SEED_ORDER = ("agents", "slos", "rules", "backends")
+# What the demo seeds from the example fleet: its backends are left out (the file's `cloud-triton-eu` is an example of
+# the shape, with nothing behind it); the demo's backends are the real cloud agents its overflow acts start.
+DEMO_SEEDS = ("agents", "slos", "rules")
 
 
 def _say(line: str = "") -> None:
     print(line, flush=True)
 
 
-def seed(client: httpx.Client, fleet: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """POST every example resource; returns what the API answered, per kind."""
+def seed(
+    client: httpx.Client, fleet: dict[str, Any], kinds: tuple[str, ...] = SEED_ORDER
+) -> dict[str, list[dict[str, Any]]]:
+    """POST every example resource of `kinds`; returns what the API answered, per kind."""
     created: dict[str, list[dict[str, Any]]] = {}
-    for kind in SEED_ORDER:
+    for kind in kinds:
         for item in fleet.get(kind, []):
             response = client.post(f"/api/v1/{kind}", json=item)
             if response.status_code != 201:
@@ -52,20 +60,69 @@ DEMO_AGENT = "jetson-berlin-01"  # the seeded agent the local agent plays
 EXPORT_INTERVAL_S = 1.0
 
 
+class DemoStopped(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM: the demo stops wherever it is, its load and its processes with it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.at = time.monotonic()
+
+    @property
+    def reason(self) -> str:
+        return "Ctrl-C" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise `DemoStopped` in the main thread; once one has, both are ignored, so that a second
+    Ctrl-C cannot cut the shutdown short and leave processes behind. The previous handlers come back at the end."""
+
+    def stopped(signum: int, frame: FrameType | None) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise DemoStopped(signum)
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, stopped)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard_port: int = 0) -> int:
+    """The demo; on SIGINT or SIGTERM, wherever it is, the load stops, every process of the demo gets SIGTERM (and
+    SIGKILL after `STOP_GRACE_S`), and a last line says so and how long that took."""
+    try:
+        with stop_on_signals():
+            return _run_demo(port=port, agent_port=agent_port, data_dir=data_dir, once=once,
+                             dashboard_port=dashboard_port)  # fmt: skip
+    except DemoStopped as stop:  # the story's processes are stopped by now (Story.__exit__)
+        _say()
+        _say(f"demo stopped ({stop.reason}): control plane, agents and dashboard shut down in "
+             f"{time.monotonic() - stop.at:.1f} s")  # fmt: skip
+        return 0
+
+
+def _run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard_port: int) -> int:
     from spillway.demo.burst import DEFAULT_MIX, format_report, run_burst
-    from spillway.demo.models import build_demo_repository
+    from spillway.demo.models import DEMO_VERSIONS, build_demo_repository
+    from spillway.demo.progress import Steps, waiting
     from spillway.demo.story import RULE, Story
 
     root = Path(data_dir).resolve()
     with Story(root, port=port, agent_port=agent_port, interval_s=EXPORT_INTERVAL_S) as story:
         admin_key = story.prepare()
         base, agent_base = story.base, story.agent_base
-        models = build_demo_repository(root / "models")
+        with Steps(f"building the demo models in {root / 'models'}", total=DEMO_VERSIONS) as steps:
+            models = build_demo_repository(root / "models", progress=lambda line: steps.done(f"built {line}"))
         try:
             story.start_control_plane()
             with story.api() as client:
-                created = seed(client, yaml.safe_load(EXAMPLE_FLEET.read_text()))
+                created = seed(client, yaml.safe_load(EXAMPLE_FLEET.read_text()), DEMO_SEEDS)
                 fleet_status = client.get("/api/v1/status").json()
             _report_control_plane(base, admin_key, created, fleet_status, story.cp_log)
             enrolled = next(a for a in created["agents"] if a["agent"]["name"] == DEMO_AGENT)
@@ -89,7 +146,8 @@ def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard
         _say()
         with story.api() as client:
             agent_id = story.agent_id
-            seen = _wait_for_telemetry(client, agent_id, expected=sum(r.sent for r in reports.values()))
+            with waiting("the control plane to count the burst from the agent's telemetry"):
+                seen = _wait_for_telemetry(client, agent_id, expected=sum(r.sent for r in reports.values()))
             _say("The same burst as the control plane saw it, from the agent's OpenTelemetry metrics (latency measured")
             _say("inside the agent, so below what the clients saw; percentiles interpolated within histogram buckets):")
             _say(format_telemetry(seen))
@@ -120,14 +178,9 @@ def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard
         _say()
         if once:
             return 0
-        _say("Serving until Ctrl-C (the dashboard, the control plane and the agent).")
-        cp = story.cp
-        assert cp is not None
-        signal.signal(signal.SIGTERM, lambda *_: cp.terminate())
-        try:
-            return cp.wait()
-        except KeyboardInterrupt:
-            return 0
+        _say("Serving until Ctrl-C (the dashboard, the control plane and the agents).")
+        assert story.cp is not None
+        return story.cp.wait()  # until the control plane ends, or a signal raises DemoStopped
 
 
 def generative_overflow_story(story: Any) -> None:
@@ -136,10 +189,12 @@ def generative_overflow_story(story: Any) -> None:
     back. A table of the clients' streams per phase, the control loop's and the gateway's events, the counts."""
     from spillway.demo import generative_overflow_story as gen
     from spillway.demo.harness import free_port
+    from spillway.demo.progress import waiting
 
     models = gen.lm_repository(story.root / "models-genai")
     act = gen.GenerativeOverflowStory(story, models=models, edge_port=free_port(), cloud_port=free_port())
-    act.start()
+    with waiting(f"the generative act's edge agent and cloud ({gen.MODEL}) to be ready, the cloud behind the gateway"):
+        act.start()
     unloaded, duration, threshold = act.calibrate()
     threshold_ms = round(threshold * 1000, 6)
     _say(
@@ -194,11 +249,13 @@ def _start_dashboard(story: Any, admin_key: str, port: int) -> Any:
     if not port:
         return None
     from dashboards import start_dashboard, wait_ready
-    from spillway.demo.harness import stop
+    from spillway.demo.harness import Process
+    from spillway.demo.progress import waiting
 
     proc = start_dashboard(story.base, admin_key, port=port, log_path=story.root / "dashboard.log")
-    story.cleanup.callback(stop, proc)
-    wait_ready(f"http://127.0.0.1:{port}", proc)
+    story.track(Process(proc, name="the dashboard"))
+    with waiting(f"the dashboard (http://127.0.0.1:{port})"):
+        wait_ready(f"http://127.0.0.1:{port}", proc)
     return proc
 
 
@@ -251,10 +308,12 @@ def overflow_story(story: Any) -> None:
     """The overflow story (spillway/demo/overflow_story.py) beside the running control plane: outcome mix per phase."""
     from spillway.demo.harness import free_port
     from spillway.demo.overflow_story import OverflowStory, format_phases, small_repository, standard_phases
+    from spillway.demo.progress import waiting
 
     small = small_repository(story.root / "models-slow")
     overflow = OverflowStory(story, models=small, edge_port=free_port(), cloud_ports=[free_port()])
-    overflow.start()
+    with waiting("the overflow act's edge agent and cloud backend to be ready"):
+        overflow.start()
     capacity = overflow.calibrate()
     _say(f"Overflow: a second edge agent ({overflow.edge_url}) serving a slow mlp (about 20 ms a request, one")
     _say(f"at a time, one thread) answers about {capacity:.0f} requests/s itself. A cloud backend of the same kind")
@@ -340,10 +399,12 @@ def _report_control_plane(
     _say(f"Spillway control plane: {base}   (log: {log})")
     _say(f"Admin API key (shown once): {key}")
     _say()
-    for kind in SEED_ORDER:
+    for kind in DEMO_SEEDS:
         items = created.get(kind, [])
         names = ", ".join((i.get("agent", i))["name"] for i in items)
         _say(f"  seeded {len(items)} {kind}: {names}")
+    _say("  backends: none seeded; the overflow acts below start real ones (Spillway agents in cloud role) and")
+    _say("  register them as they come up")
     for item in created.get("agents", []):
         _say(f"  agent token for {item['agent']['name']} (shown once): {item['token']}")
     _say()

@@ -23,7 +23,8 @@ from typing import Any
 import httpx
 import yaml
 
-from spillway.demo.harness import Process, stop
+from spillway.demo.harness import Process, stop, stop_all
+from spillway.demo.progress import waiting
 
 INTERVAL_S = 1.0  # export, poll and loop interval of the story: reactions in seconds, not minutes
 QUEUE_THRESHOLD = 12
@@ -36,6 +37,7 @@ RULE = {
     "hysteresis": {"for": "0s", "recover_after": "8s"},
 }
 READY_TIMEOUT_S = 120.0  # how long a process of the story may take to answer its readiness check
+STOP_GRACE_S = 5.0  # at the end (or Ctrl-C), how long the story's processes get after SIGTERM before SIGKILL
 
 
 @dataclass
@@ -59,7 +61,9 @@ class Phase:
 
 
 class Story:
-    """A control plane and an agent playing an enrolled agent; `with Story(root) as story:` stops both."""
+    """A control plane and an agent playing an enrolled agent; `with Story(root) as story:` stops both, and every
+    other process started through it (`start_agent_process`, `track`): SIGTERM to all at once, SIGKILL to any still
+    running after `STOP_GRACE_S`."""
 
     def __init__(self, root: Path, *, port: int, agent_port: int, interval_s: float = INTERVAL_S) -> None:
         self.root = root
@@ -73,6 +77,7 @@ class Story:
         self.agent_token = ""
         self.rule_id = ""
         self.cleanup = ExitStack()
+        self.children: list[Process] = []  # every process the story started, stopped together at its end
         self.cli = [sys.executable, "-m", "spillway.cli"]
         self.cp_log, self.agent_log = root / "controlplane.log", root / "agent.log"
 
@@ -111,8 +116,9 @@ class Story:
 
     def start_control_plane(self, *, migrate: bool = False) -> None:
         args = [*self.cli, "controlplane", "serve"] + ([] if migrate else ["--no-migrate"])
-        self.cp = Process.start(args, name="the control plane", log=self.cp_log, env=self.env())
-        self.cp.wait_ready(f"{self.base}/readyz", timeout_s=READY_TIMEOUT_S)
+        self.cp = self.track(Process.start(args, name="the control plane", log=self.cp_log, env=self.env()))
+        with waiting(f"the control plane ({self.base}/readyz)"):
+            self.cp.wait_ready(f"{self.base}/readyz", timeout_s=READY_TIMEOUT_S)
 
     def agent_config(self, models: Path, agent: dict[str, Any]) -> Path:
         path = self.root / "agent.yaml"
@@ -129,11 +135,22 @@ class Story:
         config = self.agent_config(models, agent)
         env = {**self.env(), "SPILLWAY_AGENT_TOKEN": token}  # not on the command line: `ps` would show it
         self.agent = self.start_agent_process("the edge agent", config, self.agent_log, env)
-        self.agent.wait_ready(f"{self.agent_base}/v2/health/ready", timeout_s=READY_TIMEOUT_S)
+        with waiting(f"the edge agent to load its models ({self.agent_base}/v2/health/ready)"):
+            self.agent.wait_ready(f"{self.agent_base}/v2/health/ready", timeout_s=READY_TIMEOUT_S)
 
     def start_agent_process(self, name: str, config: Path, log: Path, env: dict[str, str]) -> Process:
         """`spillway agent serve --config CONFIG` with its output appended to `log` (not waited for)."""
-        return Process.start([*self.cli, "agent", "serve", "--config", str(config)], name=name, log=log, env=env)
+        return self.track(Process.start([*self.cli, "agent", "serve", "--config", str(config)], name=name, log=log,
+                                        env=env))  # fmt: skip
+
+    def track(self, process: Process) -> Process:
+        """Stop `process` with the story's other processes at its end; returns it."""
+        self.children.append(process)
+        return process
+
+    def stop_children(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM to every process of the story at once, then SIGKILL to those still running after `grace_s`."""
+        stop_all(self.children, grace_s=grace_s)
 
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10)
@@ -170,8 +187,7 @@ class Story:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        stop(self.agent)
-        stop(self.cp)
+        self.stop_children()
         self.cleanup.close()
 
     # ---- load ----------------------------------------------------------------------------------
@@ -242,4 +258,15 @@ def first_at(phase: Phase, version: str, after: float = 0.0) -> float | None:
     return next((s.at for s in phase.samples if s.version == version and s.at >= after), None)
 
 
-__all__ = ["INTERVAL_S", "READY_TIMEOUT_S", "RULE", "Phase", "Sample", "Story", "first_at", "read_response", "stop"]
+__all__ = [
+    "INTERVAL_S",
+    "READY_TIMEOUT_S",
+    "RULE",
+    "STOP_GRACE_S",
+    "Phase",
+    "Sample",
+    "Story",
+    "first_at",
+    "read_response",
+    "stop",
+]

@@ -6,6 +6,7 @@ The CLI runs as a real process; every config here is refused before any model lo
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,10 +140,16 @@ def test_build_demo_says_what_it_builds(tmp_path: Path) -> None:
     assert "--out" in subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60).stdout
     result = subprocess.run([*command, "--out", "models"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    built = [line for line in result.stderr.splitlines() if line.startswith("built ")]
+    # Progress (stderr is not a terminal here: plain lines): each version as it is written, its count and duration.
+    steps = [re.fullmatch(r"(built .+) \((\d) of 4, \d+\.\d s\)", line) for line in result.stderr.splitlines()
+             if line.startswith("built ")]  # fmt: skip
+    assert all(steps) and [int(m.group(2)) for m in steps if m] == [1, 2, 3, 4], result.stderr
+    built = [m.group(1) for m in steps if m]
     assert [line.split(":")[0] for line in built] == ["built mlp v1 (full)", "built mlp v2 (lite)", "built tiny-lm v1",
                                                       "built tiny-lm v2 (lite)"]  # fmt: skip
     assert built[0].endswith("MLP 512 -> 4096 -> 4096 -> 1000, ReLU, FP32, 88 MiB")
     assert all(line.endswith("MiB") or line.endswith("KiB") for line in built)
+    assert re.search(r"^building the demo model repository in models .*: 4 of 4 done in \d+\.\d s$", result.stderr,
+                     re.MULTILINE), result.stderr  # fmt: skip
     assert result.stdout == "wrote models (serve it: spillway agent serve --model-repository models)\n"
     assert (tmp_path / "models" / "tiny-lm" / "2" / "model.onnx").is_file()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -45,6 +47,9 @@ def test_serve_migrates_at_start_unless_told_not_to(sqlite_url: str, tmp_path: P
     b = _serve(unmigrated, port_b, tmp_path / "b.log", "--no-migrate")
     try:
         assert _wait(port_a, a, 200).json() == {"status": "ready"}
+        # each revision applied at start is said in the log, with its duration (controlplane/db/migrate.py)
+        started = (tmp_path / "a.log").read_text()
+        assert re.search(r"^INFO: +migrating base -> 0001_initial: \d+\.\d\d s$", started, re.MULTILINE), started
         not_ready = _wait(port_b, b, 503)
         assert not_ready.json()["error"] == "not_ready"
         assert httpx.get(f"http://127.0.0.1:{port_b}/healthz").status_code == 200
@@ -117,27 +122,92 @@ def test_exactly_one_replica_runs_the_control_loop_and_another_takes_over(postgr
         stop_all(procs)
 
 
-def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command's name: state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _listening(port: int) -> bool:
+    """Whether anything still accepts connections on the loopback `port`."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def _gone(pids: list[int], deadline_s: float = 5.0) -> list[int]:
+    """The pids of `pids` still there after `deadline_s` (an orphan's reaping may take a moment)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        left = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def test_demo_seeds_the_example_fleet_through_the_api_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    """The whole demo, serving at its end as a user runs it (no --once): its output, the backends it registered
+    (every one real: the gateway counts each healthy), its progress lines on stderr, and Ctrl-C (SIGINT to the demo
+    alone): it ends within a bound with a line saying so, and leaves no process or port behind."""
     port, agent_port = free_port(), free_port()
     dashboard_port = free_port()
-    args = ["demo", "--once", "--port", str(port), "--agent-port", str(agent_port), "--data-dir", str(tmp_path),
+    args = ["demo", "--port", str(port), "--agent-port", str(agent_port), "--data-dir", str(tmp_path / "demo"),
             "--dashboard-port", str(dashboard_port)]  # fmt: skip
-    out = subprocess.run(
-        [sys.executable, "-m", "spillway.cli", *args],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=480,
-        cwd=REPO,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    key = re.search(r"Admin API key \(shown once\): (spk_\S+)", out.stdout)
-    assert key, out.stdout
+    out_path, err_path = tmp_path / "demo.out", tmp_path / "demo.err"
+    with out_path.open("wb") as out_file, err_path.open("wb") as err_file:
+        demo = subprocess.Popen([sys.executable, "-m", "spillway.cli", *args], env=_env(), cwd=REPO,
+                                stdout=out_file, stderr=err_file, stdin=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 480
+        while "Serving until Ctrl-C" not in out_path.read_text():
+            assert demo.poll() is None, out_path.read_text() + err_path.read_text()
+            assert time.monotonic() < deadline, out_path.read_text() + err_path.read_text()
+            time.sleep(0.5)
+        key = re.search(r"Admin API key \(shown once\): (spk_\S+)", out_path.read_text())
+        assert key, out_path.read_text()
+        _assert_every_backend_is_real(f"http://127.0.0.1:{port}", key.group(1))
+        children = _children(demo.pid)
+        assert len(children) >= 6, children  # the control plane, the dashboard, three agents, two clouds
+        demo.send_signal(signal.SIGINT)
+        code = demo.wait(timeout=15)  # generous (CI is noisy): the point is that it ends, not how fast
+    finally:
+        if demo.poll() is None:  # a failure above: the demo stops its processes on SIGTERM
+            demo.terminate()
+            try:
+                demo.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                demo.kill()
+    stdout, stderr = out_path.read_text(), err_path.read_text()
+    assert code == 0, stdout + stderr
+    assert re.search(r"^demo stopped \(Ctrl-C\): control plane, agents and dashboard shut down in [\d.]+ s$", stdout,
+                     re.MULTILINE), stdout[-2000:] + stderr[-2000:]  # fmt: skip
+    assert _gone(children) == [], children
+    assert [p for p in (port, agent_port, dashboard_port) if _listening(p)] == []
+    assert "Traceback" not in stderr, stderr
+    # Progress on stderr (not a terminal: plain lines): the models built, each wait named with its duration.
+    built = re.findall(r"^built (mlp|tiny-lm) v(\d)\b.*\((\d) of 4, [\d.]+ s\)$", stderr, re.MULTILINE)
+    assert [(m, v, n) for m, v, n in built] == [("mlp", "1", "1"), ("mlp", "2", "2"), ("tiny-lm", "1", "3"),
+                                                 ("tiny-lm", "2", "4")], stderr  # fmt: skip
+    for what in ("the control plane", "the edge agent to load its models", "the dashboard",
+                 "the control plane to count the burst", "the overflow act's edge agent",
+                 "the generative act's edge agent"):  # fmt: skip
+        assert f"waiting for {what}" in stderr, (what, stderr)
+        assert re.search(rf"^waited for {re.escape(what)}.*: [\d.]+ s$", stderr, re.MULTILINE), (what, stderr)
+    out = subprocess.CompletedProcess(args, code, stdout, stderr)
     assert "seeded 2 agents: jetson-berlin-01, desktop-gpu-lab" in out.stdout
     assert "seeded 2 slos: mlp-latency, mlp-availability" in out.stdout
     assert "seeded 3 rules" in out.stdout
-    assert "seeded 1 backends: cloud-triton-eu" in out.stdout
-    assert "Fleet status: 2 agents, 2 SLOs, 3 rules (3 enabled), 1 backends" in out.stdout
+    assert "backends: none seeded; the overflow acts below start real ones" in out.stdout
+    assert "Fleet status: 2 agents, 2 SLOs, 3 rules (3 enabled), 0 backends" in out.stdout
     assert "demo-backend-secret" not in out.stdout
     assert f"http://127.0.0.1:{port}" in out.stdout
     # The agent part: a burst with a row per priority, every request counted with an outcome.
@@ -145,6 +215,7 @@ def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:
     rows = re.findall(r"^\| ([123]) \| [^|]+ \| (\d+) \| ([^|]+) \|", out.stdout, re.MULTILINE)
     assert [r[0] for r in rows] == ["1", "2", "3"], out.stdout
     assert sum(int(r[1]) for r in rows) == 1000
+    assert re.search(r"^answered by version 1: \d+$", out.stdout, re.MULTILINE), out.stdout  # the burst names v1
     for _, sent, outcomes in rows:
         counted = sum(int(n) for n in re.findall(r"(\d+)(?:,|\s*$)", outcomes.strip()))
         assert counted == int(sent), outcomes
@@ -189,6 +260,22 @@ def test_demo_seeds_the_example_fleet_through_the_api(tmp_path: Path) -> None:
     assert table["cloud back (3x)"].get("overflow", 0) > 0, table  # the cloud is used again once it is back
     assert table["calm (0.5x)"]["local"] >= 0.9 * table["calm (0.5x)"]["sent"], table
     _assert_generative_overflow_act(out.stdout)
+
+
+def _assert_every_backend_is_real(base: str, key: str, deadline_s: float = 30.0) -> None:
+    """Every backend registered (the Backends page's list) is one the gateway counts healthy: nothing seeded that
+    does not exist. Polled: a cloud restarted at the end of an act may still be coming back."""
+    headers = {"Authorization": f"Bearer {key}"}
+    names = {b["name"] for b in httpx.get(f"{base}/api/v1/backends", headers=headers, timeout=10).json()["items"]}
+    assert names == {"cloud-1", "cloud-genai"}, names
+    deadline = time.monotonic() + deadline_s
+    while True:
+        gateway = httpx.get(f"{base}/api/v1/status", headers=headers, timeout=10).json()["gateway"]
+        healthy = {b["name"] for b in gateway["backends"] if b.get("healthy")}
+        if healthy >= names or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert healthy >= names, gateway
 
 
 def _assert_generative_overflow_act(stdout: str) -> None:
