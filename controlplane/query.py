@@ -33,7 +33,7 @@ from itertools import pairwise
 from typing import Any
 
 import orjson
-from sqlalchemy import ColumnElement, String, and_, or_, select, type_coerce
+from sqlalchemy import ColumnElement, String, and_, func, or_, select, type_coerce
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
@@ -458,6 +458,36 @@ class RollupReader:
                     yield Rollup(row[1], current_metric(row[2]), kind,
                                  renamed.get(series, series) if renamed else series, minute, known[series],
                                  float(row[6] or 0), float(row[7] or 0.0), histogram, last, low, high)  # fmt: skip
+
+    def read_summed(self, session: Session, *, since: datetime, until: datetime | None = None,
+                    metrics: Collection[str], kinds: Collection[str] = ("sum", "gauge")
+                    ) -> Iterator[Rollup]:  # fmt: skip
+        """The sum and gauge rollups of `metrics` from `since` (to `until`) of every agent, added up in the database
+        per series and minute (agent ""): count, total, and a gauge's last, min and max readings each summed over
+        the agents. What a fleet-wide figure needs, for a fraction of the rows (and of the time) `read` would take."""
+        where: list[ColumnElement[bool]] = [MetricRollup.minute >= since, MetricRollup.kind.in_(kinds),
+                                            MetricRollup.metric.in_(with_legacy_metrics(metrics))]  # fmt: skip
+        if until is not None:
+            where.append(MetricRollup.minute <= until)
+        minute = type_coerce(MetricRollup.minute, String)
+        query = (
+            select(func.min(MetricRollup.id), MetricRollup.metric, MetricRollup.kind, MetricRollup.series, minute,
+                   func.sum(MetricRollup.count), func.sum(MetricRollup.total), func.sum(MetricRollup.last),
+                   func.sum(MetricRollup.min), func.sum(MetricRollup.max))
+            .where(*where)
+            .group_by(MetricRollup.metric, MetricRollup.kind, MetricRollup.series, minute)
+        )  # fmt: skip
+        connection, known, renamed = session.connection(), self._attributes, self._renamed
+        rows = connection.execute(query).all()
+        # `_learn` reads a row's id at 0 and its series at 4: here the series is at 3.
+        self._learn(connection, [(row[0], None, None, None, row[3]) for row in rows])
+        for row in rows:
+            series: str = row[3]
+            gauge = row[2] == "gauge"
+            yield Rollup("", current_metric(row[1]), row[2], renamed.get(series, series) if renamed else series,
+                         _raw_minute(row[4]), known[series], float(row[5] or 0), float(row[6] or 0.0), None,
+                         _finite(row[7]) if gauge else None, _finite(row[8]) if gauge else None,
+                         _finite(row[9]) if gauge else None)  # fmt: skip
 
     def _learn(self, connection: Connection, rows: Sequence[Any]) -> None:
         """Decode the attributes of the series among `rows` not seen before, each from one of its rows."""

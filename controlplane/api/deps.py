@@ -41,6 +41,10 @@ def _principal(
     return principal
 
 
+Caller = Annotated[Principal, Depends(_principal)]
+"""Any authenticated caller, whatever its role (an operator's key or an agent's token)."""
+
+
 def require_viewer(p: Annotated[Principal, Depends(_principal)]) -> Principal:
     return authorize_role(p, "viewer")
 

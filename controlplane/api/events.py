@@ -11,10 +11,14 @@ from controlplane.api.resources import Cursor, Limit
 from controlplane.db import repository as repo
 from controlplane.db.models import Event
 from controlplane.errors import NotFound, ValidationFailed
+from controlplane.rules.loop import LEGACY_DRY_RUN_KINDS
 from controlplane.schemas.access import EventRead
 from controlplane.schemas.common import Page
 
 router = APIRouter(prefix="/api/v1/events", tags=["events"])
+_RENAMED = {new: old for old, new in LEGACY_DRY_RUN_KINDS.items()}
+_KIND = ("event kind; 'slo.*' matches a prefix. The dry-run kinds' old names ('rule.would_fired', ...) select their "
+         "new ones ('rule.would_fire', ...) until the next release")  # fmt: skip
 
 
 @router.get("", response_model=Page[EventRead], summary="List events, newest first")
@@ -23,7 +27,7 @@ def list_events(
     _: Viewer,
     agent: Annotated[str | None, Query(max_length=64, description="agent id")] = None,
     rule: Annotated[str | None, Query(max_length=64, description="rule id")] = None,
-    kind: Annotated[str | None, Query(max_length=64, description="event kind; 'slo.*' matches a prefix")] = None,
+    kind: Annotated[str | None, Query(max_length=64, description=_KIND)] = None,
     since: Annotated[datetime | None, Query(description="inclusive, ISO 8601 with a zone")] = None,
     until: Annotated[datetime | None, Query(description="exclusive, ISO 8601 with a zone")] = None,
     cursor: Cursor = None,
@@ -34,10 +38,12 @@ def list_events(
         query = query.where(Event.agent_id == agent)
     if rule is not None:
         query = query.where(Event.rule_id == rule)
-    if kind is not None:
-        query = query.where(
-            Event.kind.startswith(kind[:-1], autoescape=True) if kind.endswith("*") else Event.kind == kind
-        )
+    if kind is not None and kind.endswith("*"):
+        query = query.where(Event.kind.startswith(kind[:-1], autoescape=True))
+    elif kind is not None:
+        # An old dry-run kind means its new name; either also selects events a replica not yet upgraded wrote.
+        new = LEGACY_DRY_RUN_KINDS.get(kind, kind)
+        query = query.where(Event.kind.in_([new, _RENAMED[new]]) if new in _RENAMED else Event.kind == new)
     for name, bound in (("since", since), ("until", until)):
         if bound is not None and bound.tzinfo is None:
             raise ValidationFailed.field(name, "needs a time zone, e.g. 2026-11-30T08:00:00Z")

@@ -39,6 +39,16 @@ class SloStatus(BaseModel):
     budget_remaining: float | None = Field(description="share of the window's budget left; negative once overspent")
     alerts: list[AlertStatus]
     evaluated_at: datetime = Field(description="when these figures were computed (at most the evaluation interval old)")
+    observed_since: datetime | None = Field(
+        default=None,
+        description="the start of the first minute with events inside the window (exact within the last 6 h, else "
+        "the start of its hour); null without events",
+    )
+    observed: Duration = Field(
+        default=0,
+        description="the part of the window the figures cover: the window when events reach back to its first "
+        "minute, else from observed_since to evaluated_at (less for an SLO younger than its window)",
+    )
 
 
 class AgentSloStatus(SloStatus):

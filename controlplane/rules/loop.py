@@ -4,7 +4,8 @@ every agent whose rules in force changed.
 
 Rule states live in the database (`rule_states`) as well as here, so that another replica taking over the loop
 (PostgreSQL advisory lock, see `Leadership`) carries on where this one stopped. Dry-run rules go through the
-same states and write `rule.would_*` events, but never reach a policy.
+same states and write `rule.would_*` events (what the rule would have done: `rule.would_fire` where a live rule
+writes `rule.fired`), but never reach a policy.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ from controlplane.slo import SloWindows
 log = logging.getLogger("spillway.controlplane.loop")
 LOOP_LOCK = 0x5370_4C70  # "SpLp": the replica holding it runs the control loop
 ACTOR = Actor("control-loop", "")
+DRY_RUN_VERBS = {"fired": "fire", "recovered": "recover", "stepped_down": "step_down", "flapping": "flap",
+                 "refired": "refire"}  # fmt: skip
+"""A transition's kind -> the verb of a dry-run rule's event (`rule.would_<verb>`)."""
+LEGACY_DRY_RUN_KINDS = {f"rule.would_{kind}": f"rule.would_{verb}" for kind, verb in DRY_RUN_VERBS.items()}
+"""The kinds dry-run events had up to 0.1 (`rule.would_fired`, ...) -> their names now (migration 0007 renames
+stored events; the events API still takes the old names in its `kind` filter for one release)."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +139,7 @@ class ControlLoop:
 
     def _record(self, session: Session, rule: RuleSpec, agent: Agent, transition: Transition, seen: Seen,
                 now: datetime) -> dict[str, Any]:  # fmt: skip
-        kind = f"rule.{'would_' if rule.dry_run else ''}{transition.kind}"
+        kind = f"rule.would_{DRY_RUN_VERBS[transition.kind]}" if rule.dry_run else f"rule.{transition.kind}"
         action = stepped_action(rule.action, transition.state.step).model_dump() if transition.state.active else None
         data = {
             "rule": rule.name, "agent": agent.name, "condition": rule.condition.model_dump(), "observed": seen.numbers,
@@ -267,4 +274,12 @@ class Leadership:
             self._conn = None
 
 
-__all__ = ["ControlLoop", "CycleReport", "Leadership", "PolicyDefaults", "current_policy"]
+__all__ = [
+    "DRY_RUN_VERBS",
+    "LEGACY_DRY_RUN_KINDS",
+    "ControlLoop",
+    "CycleReport",
+    "Leadership",
+    "PolicyDefaults",
+    "current_policy",
+]

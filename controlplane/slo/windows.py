@@ -12,6 +12,9 @@ and *replaces* those minutes here, so replicas that each keep their own windows 
 nothing. A change of the SLO (its version) or of the agents it selects reloads what changed from the database.
 A rollup of an older minute that changes later (an out-of-order export) counts once the SLO is next read whole.
 
+`SloWindows.counts` hands out one SLO's counts summed over its agents (`SloCounts`), for its history: the count of
+any window ending at any minute, exact from the minutes of the last six hours and from whole hours beyond.
+
 An SLO whose selector names a `tenant` counts that tenant's requests (streams) only: rollups whose `spillway.tenant`
 is that name (`default`: also those without the attribute, from agents before tenants; `query.tenant_of`).
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -220,6 +224,30 @@ class SloWindow:
         slots = np.arange(latest // 60 - hours + 1, latest // 60 + 1) % self.hours
         return self.coarse[:, :, slots].sum(axis=2)
 
+    def first_counted(self, seconds: int, latest: int) -> int:
+        """The first minute of the window that `sums` counts."""
+        minutes = minutes_of(seconds)
+        if minutes <= FINE_MINUTES:
+            return latest - minutes + 1
+        return (latest // 60 - min(math.ceil(minutes / 60), self.hours) + 1) * 60
+
+    def first_minutes(self, seconds: int, latest: int) -> np.ndarray:
+        """(agents,): per agent, the epoch minute of its first minute with events in the window that `sums` counts
+        (-1 without any). Exact within the last six hours; beyond, the start of the first hour with events."""
+        minutes = minutes_of(seconds)
+        fine_first = latest - min(minutes, FINE_MINUTES) + 1
+        fine = self.fine[1][:, np.arange(fine_first, latest + 1) % FINE_MINUTES] > 0  # (agents, minutes)
+        first = np.where(fine.any(axis=1), fine_first + fine.argmax(axis=1), -1)
+        if minutes <= FINE_MINUTES:
+            return first
+        hours = min(math.ceil(minutes / 60), self.hours)
+        first_hour = latest // 60 - hours + 1
+        coarse = self.coarse[1][:, np.arange(first_hour, latest // 60 + 1) % self.hours] > 0
+        hour_start = np.where(coarse.any(axis=1), (first_hour + coarse.argmax(axis=1)) * 60, -1)
+        # An hour that starts before the minutes kept may hold events before them: its start is the best known.
+        older = (hour_start >= 0) & ((hour_start < fine_first) | (first < 0))
+        return np.where(older, hour_start, first)
+
 
 @dataclass
 class Evaluation:
@@ -230,6 +258,8 @@ class Evaluation:
     at: datetime
     window: np.ndarray  # (2, agents)
     alerts: list[tuple[dict[str, Any], np.ndarray, np.ndarray]]  # pair, long sums, short sums
+    first: np.ndarray | None = None  # (agents,): epoch minute of each agent's first minute with events, -1 if none
+    window_first: int | None = None  # the first minute the SLO window counts
 
     def __post_init__(self) -> None:
         self._column = {agent: i for i, agent in enumerate(self.agents)}
@@ -245,6 +275,7 @@ class Evaluation:
             return Counts(float(sums[0, columns].sum()), float(sums[1, columns].sum()))
 
         window = counts_of(self.window)
+        observed_since, observed = self._observed(columns)
         alerts = []
         for pair, long, short in self.alerts:
             long_rate, short_rate = burn_rate(counts_of(long), objective), burn_rate(counts_of(short), objective)
@@ -266,10 +297,101 @@ class Evaluation:
             "budget_remaining": budget_remaining(window, objective),
             "alerts": alerts,
             "evaluated_at": self.at,
+            "observed_since": observed_since,
+            "observed": observed,
         }
+
+    def _observed(self, columns: Any) -> tuple[datetime | None, int]:
+        """The first minute with events inside the SLO window (over `columns`), and the seconds from it to the
+        evaluation (at most the window): how much of the window the figures cover."""
+        if self.first is None:
+            return None, 0
+        firsts = self.first[columns]
+        firsts = firsts[firsts >= 0]
+        if firsts.size == 0:
+            return None, 0
+        first = int(firsts.min())
+        since = datetime.fromtimestamp(first * 60, tz=timezone.utc)
+        if self.window_first is not None and first <= self.window_first:  # events from the window's first minute
+            return since, self.spec.window
+        seconds = int((self.at - since).total_seconds())
+        return since, max(0, min(seconds, self.spec.window))
 
     def per_agent(self) -> list[dict[str, Any]]:
         return [self.status(agent) | {"agent": agent} for agent in self.agents]
+
+
+@dataclass(frozen=True)
+class SloCounts:
+    """One SLO's good and total events summed over agents, as of minute `latest` (epoch minutes): per minute for
+    the last six hours (`minutes[:, i]` is minute `latest - FINE_MINUTES + 1 + i`) and per hour before
+    (`hours[:, j]` is hour `latest // 60 - hours.shape[1] + 1 + j`, the current one partial), older hours added by
+    `with_older_hours` (what the windows no longer or never kept, read from the database by the caller).
+
+    `between` and `window` are exact where every minute asked for is inside the last six hours. Older minutes are
+    counted from whole hours, as the status counts a long window: an hour counts when it starts inside the range, so
+    a range that starts inside an hour leaves that hour out (the far edge is exact to within an hour)."""
+
+    spec: SloSpec
+    agents: tuple[str, ...]
+    latest: int
+    at: datetime  # when the windows were last refreshed
+    minutes: np.ndarray  # (2, FINE_MINUTES)
+    hours: np.ndarray  # (2, hours)
+
+    @property
+    def first_minute(self) -> int:
+        """The oldest minute held at minute resolution."""
+        return self.latest - self.minutes.shape[1] + 1
+
+    @property
+    def first_hour(self) -> int:
+        """The oldest hour held."""
+        return self.latest // 60 - self.hours.shape[1] + 1
+
+    def with_older_hours(self, older: Mapping[int, tuple[float, float]]) -> SloCounts:
+        """These counts with the hours of `older` (epoch hour -> good, total) before `first_hour` added in front
+        (hours between them and `first_hour` that `older` lacks count as empty)."""
+        if not older:
+            return self
+        start = min(older)
+        if start >= self.first_hour:
+            return self
+        extra = np.zeros((2, self.first_hour - start))
+        for hour, (good, total) in older.items():
+            if start <= hour < self.first_hour:
+                extra[:, hour - start] = (good, total)
+        return SloCounts(self.spec, self.agents, self.latest, self.at, self.minutes,
+                         np.concatenate([extra, self.hours], axis=1))  # fmt: skip
+
+    def between(self, first: int, last: int) -> Counts:
+        """Good and total of minutes `first`..`last` (inclusive, `last` at most `latest`): see the class."""
+        last = min(last, self.latest)
+        if last < first:
+            return Counts()
+        good = total = 0.0
+        fine_first = self.first_minute
+        if last >= fine_first:
+            lo = max(first, fine_first) - fine_first
+            good, total = (float(x) for x in self.minutes[:, lo : last - fine_first + 1].sum(axis=1))
+        if first < fine_first:  # hours starting in first .. min(last, fine_first - 1)
+            h_lo = max(-(-first // 60), self.first_hour)
+            h_hi = min(last, fine_first - 1) // 60
+            if h_hi >= h_lo:
+                g, t = self.hours[:, h_lo - self.first_hour : h_hi - self.first_hour + 1].sum(axis=1)
+                good, total = good + float(g), total + float(t)
+                if h_hi * 60 + 59 >= fine_first:  # that hour's minutes kept at minute resolution are counted above
+                    kept = self.minutes[:, : h_hi * 60 + 60 - fine_first].sum(axis=1)
+                    good, total = good - float(kept[0]), total - float(kept[1])
+        return Counts(good, total)
+
+    def window(self, seconds: int, last: int) -> Counts:
+        """The counts of a window of `seconds` ending with minute `last`, as the status counts it: whole minutes up
+        to six hours, else whole hours (the one holding `last` up to `last`)."""
+        minutes = minutes_of(seconds)
+        if minutes <= FINE_MINUTES:
+            return self.between(last - minutes + 1, last)
+        return self.between((last // 60 - math.ceil(minutes / 60) + 1) * 60, last)
 
 
 class SloWindows:
@@ -314,6 +436,27 @@ class SloWindows:
             if window is None or self._latest is None:
                 return None
             return list(window.agents), [window.sums(s, self._latest) for s in seconds]
+
+    def counts(self, session: Session, spec_id: str, now: datetime | None = None, *, max_age_s: float = 0.0,
+               agents: list[str] | None = None) -> SloCounts | None:  # fmt: skip
+        """One SLO's (or rule condition's) good and total per minute of the last six hours and per hour of its
+        longest window, summed over `agents` (None: every agent it selects), refreshed first unless the last refresh
+        is younger than `max_age_s`; None for an SLO the windows do not hold."""
+        now = now or utcnow()
+        with self._lock:
+            if self.refreshed_at is None or (now - self.refreshed_at).total_seconds() >= max_age_s:
+                self._refresh(session, epoch_minute(now))
+                self.refreshed_at = now
+            window = self._slos.get(spec_id)
+            if window is None or self._latest is None:
+                return None
+            rows = slice(None) if agents is None else [window.row[a] for a in agents if a in window.row]
+            latest = self._latest
+            minutes = np.arange(latest - FINE_MINUTES + 1, latest + 1)
+            hours = np.arange(latest // 60 - window.hours + 1, latest // 60 + 1)
+            fine = window.fine[:, rows][:, :, minutes % FINE_MINUTES].sum(axis=1)
+            coarse = window.coarse[:, rows][:, :, hours % window.hours].sum(axis=1)
+            return SloCounts(window.spec, tuple(window.agents), latest, self.refreshed_at or now, fine, coarse)
 
     def _refresh(self, session: Session, now_minute: int) -> None:
         specs = {row.id: SloSpec.of(row) for row in session.scalars(select(Slo))}
@@ -393,7 +536,18 @@ class SloWindows:
     def _evaluate(self, window: SloWindow, latest: int, now: datetime) -> Evaluation:
         alerts = [(pair, window.sums(pair["long"], latest), window.sums(pair["short"], latest))
                   for pair in window.spec.alerts]  # fmt: skip
-        return Evaluation(window.spec, window.agents, now, window.sums(window.spec.window, latest), alerts)
+        return Evaluation(window.spec, window.agents, now, window.sums(window.spec.window, latest), alerts,
+                          window.first_minutes(window.spec.window, latest),
+                          window.first_counted(window.spec.window, latest))  # fmt: skip
 
 
-__all__ = ["Evaluation", "SloSpec", "SloWindow", "SloWindows", "epoch_minute"]
+__all__ = [
+    "FINE_MINUTES",
+    "Evaluation",
+    "SloCounts",
+    "SloSpec",
+    "SloWindow",
+    "SloWindows",
+    "epoch_minute",
+    "minutes_of",
+]

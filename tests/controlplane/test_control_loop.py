@@ -70,7 +70,7 @@ def test_a_burn_rate_rule_fires_sheds_and_recovers_step_by_step(factory: Any) ->
 
     first = loop.cycle(T0)
     assert first.pairs == 2 and first.published == {"a1": 1, "a2": 1}  # everyone gets a first, empty document
-    assert [t["kind"] for t in first.transitions] == ["rule.would_fired"]  # dry run: no `for`, fires at once
+    assert [t["kind"] for t in first.transitions] == ["rule.would_fire"]  # dry run: no `for`, fires at once
     assert _policy(factory, "a1").models == {}  # pending for 60 s; the dry-run rule never reaches a policy
 
     fired = loop.cycle(T0 + timedelta(seconds=61))
@@ -92,7 +92,7 @@ def test_a_burn_rate_rule_fires_sheds_and_recovers_step_by_step(factory: Any) ->
     clear = T0 + timedelta(minutes=7)
     assert loop.cycle(clear).transitions == []  # clear: recovering, the action still in force
     stepped = loop.cycle(clear + timedelta(seconds=121))
-    assert [t["kind"] for t in stepped.transitions] == ["rule.would_recovered", "rule.stepped_down"]  # by name
+    assert [t["kind"] for t in stepped.transitions] == ["rule.would_recover", "rule.stepped_down"]  # by name
     assert _policy(factory, "a1").for_model("mlp").shed.at_or_below == 4  # one level fewer
     recovered = loop.cycle(clear + timedelta(seconds=242))
     assert [t["kind"] for t in recovered.transitions] == ["rule.recovered"]
@@ -100,7 +100,7 @@ def test_a_burn_rate_rule_fires_sheds_and_recovers_step_by_step(factory: Any) ->
     assert (final.version, final.models, final.causes) == (4, {}, [])
 
     kinds = [k for k, agent in _events(factory) if agent == "a1"]
-    assert kinds == ["rule.would_fired", "rule.fired", "policy.published", "rule.would_recovered",
+    assert kinds == ["rule.would_fire", "rule.fired", "policy.published", "rule.would_recover",
                      "rule.stepped_down", "policy.published", "rule.recovered", "policy.published"]  # fmt: skip
     with factory() as session:
         event = session.scalars(select(Event).where(Event.kind == "rule.fired")).one()
