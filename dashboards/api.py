@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import httpx
 
-Role = Literal["viewer", "editor", "admin"]
+Role = Literal["viewer", "editor", "admin"]  # what an API key may be (an agent's token, `agent`, edits nothing)
 MAX_PAGES = 50  # a list longer than 50 pages of 200 is cut there rather than hanging a page render
 
 
@@ -160,24 +160,21 @@ class SpillwayApi:
     def events(self, **filters: Any) -> dict[str, Any]:
         return dict(self.get("/events", **filters))
 
-    def role(self) -> Role:
-        """What this key may do. The API has no "who am I" endpoint, so two harmless probes tell: listing keys
-        is admin-only, and an empty SLO body is refused for its role (403) before it is refused as invalid (422)."""
-        try:
-            self.get("/keys", limit=1)
-            return "admin"
-        except ApiError as exc:
-            if exc.status != 403:
-                raise
-        try:
-            self.request("POST", "/api/v1/slos", json={})
-        except ApiError as exc:
-            if exc.status == 403:
-                return "viewer"
-            if exc.status == 422:
-                return "editor"
-            raise
-        raise ApiError(500, "unexpected", "an empty SLO body was accepted")  # the API validates bodies
+    def whoami(self) -> dict[str, Any]:
+        """Who this key is: `{"kind": "key"|"agent", "id", "name", "role": "viewer"|"editor"|"admin"|"agent"}`."""
+        return dict(self.get("/whoami"))
+
+    def agent_history(self, agent_id: str, window: str, step: str) -> dict[str, Any]:
+        """An agent's figures per step over `window` (every step present, oldest first; null: no data)."""
+        return dict(self.get(f"/agents/{agent_id}/metrics/history", window=window, step=step))
+
+    def fleet_history(self, window: str, step: str) -> dict[str, Any]:
+        """Every agent's figures summed per step over `window`."""
+        return dict(self.get("/metrics/history", window=window, step=step))
+
+    def slo_history(self, slo_id: str, window: str, step: str) -> dict[str, Any]:
+        """An SLO's SLI, budget left and burn rates per step over `window`."""
+        return dict(self.get(f"/slos/{slo_id}/history", window=window, step=step))
 
 
 def _transport_reason(exc: httpx.TransportError) -> str:

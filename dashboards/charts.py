@@ -7,6 +7,8 @@ from typing import Any
 import altair as alt
 import pandas as pd
 
+from dashboards.fmt import event_kind
+
 AnyChart = alt.Chart | alt.LayerChart | alt.FacetChart
 
 OUTCOME_COLOURS = {
@@ -78,19 +80,42 @@ def percentile_bars(rows: list[dict[str, Any]]) -> AnyChart:
     )
 
 
-def lines(frame: pd.DataFrame, title: str, y_title: str, series: str = "series", height: int = 220) -> alt.Chart:
-    """Sampled values over time, one line per series."""
+# Line charts draw as SVG (each point a mark a browser test can count; Streamlit's default for small charts too).
+SVG = {"embedOptions": {"renderer": "svg"}}
+
+
+def time_format(frame: pd.DataFrame) -> str:
+    """The time axis' labels: hours and minutes within a day, the date too beyond one."""
+    if len(frame) and frame["time"].max() - frame["time"].min() > pd.Timedelta(days=1):
+        return "%m-%d %H:%M"
+    return "%H:%M"
+
+
+def lines(frame: pd.DataFrame, title: str, y_title: str, series: str = "series", height: int = 220,
+          y_format: str = ",.3~f") -> alt.Chart:  # fmt: skip
+    """Values over time (a `history` frame: time, series, value, segment), one line per series; a gap (a step
+    without a figure) breaks its line: each (series, segment) is its own path."""
+    return _lines(frame, title, y_title, series, height, y_format).properties(usermeta=SVG)
+
+
+def _lines(frame: pd.DataFrame, title: str, y_title: str, series: str = "series", height: int = 220,
+           y_format: str = ",.3~f") -> alt.Chart:  # fmt: skip
+    """`lines` without the embed options (a layer states them once, at its top)."""
+    if "segment" not in frame.columns:
+        frame = frame.assign(segment=1)
     return (
         alt.Chart(frame, title=title)
-        .mark_line(point=True)
+        .mark_line(point=alt.OverlayMarkDef(size=18))
         .encode(
-            x=alt.X("time:T", title=None, axis=alt.Axis(format="%H:%M:%S")),
-            y=alt.Y("value:Q", title=y_title),
+            x=alt.X("time:T", title=None, axis=alt.Axis(format=time_format(frame))),
+            y=alt.Y("value:Q", title=y_title, axis=alt.Axis(format=y_format)),
             color=alt.Color(f"{series}:N", title=None),
-            tooltip=[alt.Tooltip("time:T", format="%H:%M:%S"), series, alt.Tooltip("value:Q", format=".3f")],
+            detail="segment:N",
+            tooltip=[alt.Tooltip("time:T", format="%Y-%m-%d %H:%M"), series,
+                     alt.Tooltip("value:Q", format=y_format)],
         )
         .properties(height=height)
-    )
+    )  # fmt: skip
 
 
 def burn_rate_bars(alerts: list[dict[str, Any]]) -> AnyChart:
@@ -124,15 +149,28 @@ def burn_rate_bars(alerts: list[dict[str, Any]]) -> AnyChart:
 
 
 def burn_rate_history(frame: pd.DataFrame, thresholds: dict[str, float]) -> AnyChart:
-    """Sampled burn rates per window over time, with each pair's threshold as a dashed line."""
-    base = lines(frame, "Burn rate over time (sampled by this session)", "burn rate (x budget)")
-    rules = pd.DataFrame([{"threshold": t, "pair": p} for p, t in thresholds.items()])
+    """Each alert pair's long and short burn rate over time (from the SLO's history), with each pair's threshold as
+    a dashed red line."""
+    base = _lines(frame, "Burn rate over time (dashed: each pair's threshold)", "burn rate (x budget)")
+    rules = pd.DataFrame([{"threshold": t, "pair": p} for p, t in thresholds.items()], columns=["threshold", "pair"])
     marks = (
         alt.Chart(rules)
         .mark_rule(strokeDash=[6, 4], color="#c62828")
         .encode(y="threshold:Q", tooltip=["pair", "threshold"])
     )
-    return alt.layer(base, marks)
+    return alt.layer(base, marks).properties(usermeta=SVG)
+
+
+def budget_history(frame: pd.DataFrame, objective: float | None) -> AnyChart:
+    """The error budget left and the SLI over the SLO window over time (ratios, drawn in %), with the objective as
+    a dashed line and 0 % budget as a grey one."""
+    base = _lines(frame, "Budget left and SLI over time", "%", y_format=".2%")
+    marks = [alt.Chart(pd.DataFrame([{"y": 0.0}])).mark_rule(color="#424242").encode(y="y:Q")]
+    if objective is not None:
+        target = pd.DataFrame([{"y": objective / 100, "what": "objective"}])
+        line = alt.Chart(target).mark_rule(strokeDash=[6, 4], color="#2e7d32")
+        marks.append(line.encode(y="y:Q", tooltip=["what"]))
+    return alt.layer(base, *marks).properties(usermeta=SVG)
 
 
 def budget_bars(states: list[dict[str, Any]]) -> AnyChart:
@@ -159,7 +197,7 @@ def budget_bars(states: list[dict[str, Any]]) -> AnyChart:
 def event_timeline(events: list[dict[str, Any]]) -> AnyChart:
     """Events as points on a time axis, one row per kind."""
     frame = pd.DataFrame(
-        [{"time": e["ts"], "kind": e["kind"], "actor": e["actor"], "id": e["id"]} for e in events],
+        [{"time": e["ts"], "kind": event_kind(e["kind"]), "actor": e["actor"], "id": e["id"]} for e in events],
         columns=["time", "kind", "actor", "id"],
     )
     frame["time"] = pd.to_datetime(frame["time"], utc=True, format="ISO8601")
@@ -167,7 +205,7 @@ def event_timeline(events: list[dict[str, Any]]) -> AnyChart:
         alt.Chart(frame, title="Timeline")
         .mark_circle(size=80)
         .encode(
-            x=alt.X("time:T", title=None),
+            x=alt.X("time:T", title=None, axis=alt.Axis(format="%H:%M:%S")),
             y=alt.Y("kind:N", title=None),
             color=alt.Color("kind:N", legend=None),
             tooltip=[alt.Tooltip("time:T", format="%Y-%m-%d %H:%M:%S"), "kind", "actor", "id"],

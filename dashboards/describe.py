@@ -9,6 +9,9 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
+from dashboards.fmt import DASH, duration, number, ratio_percent, seconds
+from dashboards.fmt import share as fmt_share
+
 ALL_MODELS = "*"
 # The degradation ladder, mildest first (ARCHITECTURE.md "Degradation rules"); each rule action is one rung.
 LADDER: tuple[tuple[str, str], ...] = (
@@ -183,7 +186,7 @@ def share(fraction: Any) -> str:
     """A fraction (0.25) as a share of traffic (25 %), without rounding a small one away."""
     if not isinstance(fraction, (int, float)) or isinstance(fraction, bool):
         return str(fraction)
-    return f"{fraction * 100:.3g} %"
+    return ratio_percent(fraction, 3)
 
 
 def ladder(policy: dict[str, Any], rules: Iterable[dict[str, Any]], agent: dict[str, Any]) -> list[dict[str, Any]]:
@@ -202,9 +205,9 @@ def ladder(policy: dict[str, Any], rules: Iterable[dict[str, Any]], agent: dict[
             "step": step,
             "rung": label,
             "in force": "yes" if in_force else "no",
-            "now": "; ".join(in_force) or "-",
-            "by rules": ", ".join(by) or "-",
-            "rules that can take it": ", ".join(could) or "-",
+            "now": "; ".join(in_force) or DASH,
+            "by rules": ", ".join(by) or DASH,
+            "rules that can take it": ", ".join(could) or DASH,
         })  # fmt: skip
     return rows
 
@@ -224,36 +227,17 @@ def worst_p99(metrics: dict[str, Any]) -> float | None:
 
 
 def outcome_mix(outcomes: dict[str, float]) -> str:
-    total = sum(outcomes.values())
+    """Each outcome's share of the requests, largest first: `local 95%, rejected 5%`."""
+    total = sum(v for v in outcomes.values() if v)
     if not total:
-        return "-"
-    return ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1]))
-
-
-def number(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return str(value)
-    if float(value).is_integer() and abs(value) < 1e15:
-        return f"{int(value)}"
-    return f"{value:.{digits}g}"
-
-
-def percent(value: float | None, digits: int = 3) -> str:
-    """A number already in percent (an objective: 99.5)."""
-    return "-" if value is None else f"{value:.{digits}f} %"
-
-
-def ratio_percent(value: float | None, digits: int = 3) -> str:
-    """A ratio (an SLI: 0.995) in percent."""
-    return "-" if value is None else percent(value * 100, digits)
+        return DASH
+    return ", ".join(f"{k} {fmt_share(v / total)}" for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1]) if v)
 
 
 def clock(value: Any) -> str:
     """An API timestamp as HH:MM:SS UTC (dates only when not today would need the reader's zone; keep UTC)."""
     if not value:
-        return "-"
+        return DASH
     try:
         moment = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
     except ValueError:
@@ -281,7 +265,7 @@ def event_numbers(event: dict[str, Any], limit: int = 8) -> str:
 def event_subject(event: dict[str, Any]) -> str:
     """What an event is about, by name: a resource's own events say `name`, the gateway's say `backend`."""
     data = event.get("data") or {}
-    return str(data.get("name") or data.get("backend") or event.get("subject_id") or "-")
+    return str(data.get("name") or data.get("backend") or event.get("subject_id") or DASH)
 
 
 def _flat(value: Any) -> Any:
@@ -339,7 +323,7 @@ def kv_cache_text(entry: dict[str, Any]) -> str:
     """KV-cache use of one generative model: `75 % (96 / 128 blocks)`, from the last gauges."""
     use, used, total = entry.get("kv_cache_use"), entry.get("kv_blocks_used"), entry.get("kv_blocks_total")
     if use is None:
-        return "-"
+        return DASH
     blocks = f" ({number(used)} / {number(total)} blocks)" if used is not None and total is not None else ""
     return f"{use:.0%}{blocks}"
 
@@ -379,7 +363,7 @@ def burn_text(alerts: list[dict[str, Any]]) -> str:
     """An SLO's burn rate in one line, from its status's alert pairs: the pair closest to firing (both of its windows
     over their threshold fires it), `20.5x / 19.8x over 56m/5m (fires at 14.4x)`."""
     if not alerts:
-        return "-"
+        return DASH
 
     def closeness(alert: dict[str, Any]) -> float:
         rates = (alert.get("long_burn_rate") or 0.0, alert.get("short_burn_rate") or 0.0)
@@ -388,3 +372,31 @@ def burn_text(alerts: list[dict[str, Any]]) -> str:
     pair = max(alerts, key=closeness)
     return (f"{number(pair.get('long_burn_rate'))}x / {number(pair.get('short_burn_rate'))}x over "
             f"{pair['long']}/{pair['short']} (fires at {number(pair.get('threshold'))}x)")  # fmt: skip
+
+
+def observed_seconds(status: dict[str, Any]) -> float | None:
+    """How much of its window an SLO's figures cover (the status's `observed`: a duration, `12m`, or seconds);
+    None when the status does not say (no events yet, or a control plane from before `observed`)."""
+    observed = status.get("observed")
+    if observed is None or (status.get("observed_since") is None and "observed_since" in status):
+        return None
+    if isinstance(observed, (int, float)) and not isinstance(observed, bool):
+        return float(observed)
+    found = seconds(str(observed))
+    return float(found) if found else None
+
+
+def coverage_note(status: dict[str, Any]) -> str | None:
+    """`figures cover only 12 min of the 28d window` when an SLO's events span less than its window, else None."""
+    observed, window = observed_seconds(status), seconds(str(status.get("window") or ""))
+    if observed is None or not window or observed >= window:
+        return None
+    return f"figures cover only {duration(observed)} of the {status['window']} window"
+
+
+def coverage_text(status: dict[str, Any]) -> str:
+    """A table cell: `12 min of 28d`, `whole window`, or `DASH` (no events)."""
+    observed, window = observed_seconds(status), seconds(str(status.get("window") or ""))
+    if observed is None or not window:
+        return DASH
+    return "whole window" if observed >= window else f"{duration(observed)} of {status['window']}"

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from dashboards.describe import clock, number
+from dashboards.describe import clock
+from dashboards.fmt import DASH, number
 
 NOT_LOADED = "not loaded yet (the gateway reloads its backends every few seconds)"
 
@@ -77,7 +78,7 @@ def gateway_rows(view: GatewayView, configured: list[dict[str, Any]], now: datet
 
 def _row(backend: dict[str, Any], now: datetime) -> dict[str, Any]:
     requests, errors = backend.get("requests"), backend.get("errors")
-    rate = f"{errors / requests:.1%}" if isinstance(requests, int) and isinstance(errors, int) and requests else "-"
+    rate = f"{errors / requests:.1%}" if isinstance(requests, int) and isinstance(errors, int) and requests else DASH
     return {
         "backend": backend.get("name") or backend.get("id"),
         "protocol": backend.get("protocol") or "v2",
@@ -89,7 +90,7 @@ def _row(backend: dict[str, Any], now: datetime) -> dict[str, Any]:
         "p50 ms": backend.get("p50_ms"),
         "p99 ms": backend.get("p99_ms"),
         "ejection multiplier": backend.get("times_ejected"),
-        "last error": backend.get("last_error") or "-",
+        "last error": backend.get("last_error") or DASH,
     }
 
 

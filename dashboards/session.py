@@ -12,13 +12,13 @@ from typing import Any
 
 import streamlit as st
 
-from dashboards.api import ApiError, ApiUnreachable, Role, SpillwayApi, may
+from dashboards.api import ApiError, ApiUnreachable, DashboardApiError, Role, SpillwayApi, may
 from dashboards.launch import API_KEY_ENV, API_URL_ENV
 
 REFRESH_ENV = "SPILLWAY_DASHBOARD_REFRESH_S"
 DEFAULT_API_URL = "http://127.0.0.1:8400"
 REFRESH_CHOICES = (0, 5, 10, 30, 60)  # seconds; 0: off
-ROLE_TTL_S = 600.0  # the probe costs two requests; a key changing role mid-session still gets a clear 403
+WHOAMI_TTL_S = 60.0  # one cheap read a minute per browser session; a key changed meanwhile still gets a clear 403
 
 
 @dataclass(frozen=True)
@@ -62,14 +62,20 @@ def api() -> SpillwayApi:
     return _client(cfg.api_url, cfg.api_key)
 
 
-def role() -> Role:
-    """The key's role, probed at most every ten minutes per browser session."""
-    cached = st.session_state.get("_role")
-    if cached is not None and time.monotonic() - cached[1] < ROLE_TTL_S:
-        return cached[0]
-    found = api().role()
-    st.session_state["_role"] = (found, time.monotonic())
+def whoami() -> dict[str, Any]:
+    """Who the key is (`GET /api/v1/whoami`: kind, id, name, role), asked at most once a minute per browser session."""
+    cached = st.session_state.get("_whoami")
+    if cached is not None and time.monotonic() - cached[1] < WHOAMI_TTL_S:
+        found: dict[str, Any] = cached[0]
+        return found
+    found = api().whoami()
+    st.session_state["_whoami"] = (found, time.monotonic())
     return found
+
+
+def role() -> str:
+    """The key's role: viewer, editor or admin (an agent's token: agent, which edits nothing here)."""
+    return str(whoami().get("role", "viewer"))
 
 
 def can_edit(needed: Role = "editor") -> bool:
@@ -86,7 +92,7 @@ def refresh_s() -> int:
 
 
 def sidebar() -> None:
-    """The API, the key's role and the refresh controls, on every page."""
+    """The API, who the key is and the refresh controls, on every page."""
     with st.sidebar:
         try:
             cfg = config()
@@ -95,7 +101,8 @@ def sidebar() -> None:
             return
         st.caption(f"API: `{cfg.api_url}`")
         with guard(quiet=True):
-            st.caption(f"Key role: **{role()}**")
+            me = whoami()
+            st.caption(f"Signed in as **{me.get('name', '?')}** ({me.get('role', '?')})")
         default = cfg.refresh_s if cfg.refresh_s in REFRESH_CHOICES else REFRESH_CHOICES[2]
         st.selectbox(
             "Auto-refresh", REFRESH_CHOICES, index=REFRESH_CHOICES.index(default), key="refresh_s",
@@ -117,6 +124,17 @@ def live(body: Callable[[], None]) -> None:
         st.caption(f"Last updated {updated}" + (f" · refreshes every {every} s" if every else " · auto-refresh off"))
 
     _fragment()
+
+
+def history_points(call: Callable[[], dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """A history answer's points for the charts; when the API cannot give them (a control plane from before the
+    history API answers 404), a note in their place and None."""
+    try:
+        points: list[dict[str, Any]] = call()["points"]
+    except DashboardApiError as exc:
+        st.caption(f"No charts over time: the history API did not answer ({explain(exc)}).")
+        return None
+    return points
 
 
 def explain(exc: BaseException) -> str:

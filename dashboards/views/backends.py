@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-import pandas as pd
 import streamlit as st
 
-from dashboards import forms, session
+from dashboards import fmt, forms, session
 from dashboards.describe import clock, event_numbers, event_subject
 from dashboards.editor import Crud, crud
+from dashboards.fmt import DASH
 from dashboards.forms import model_map_text
 from dashboards.gateway import gateway_rows, gateway_summary, gateway_view
 
@@ -40,7 +40,7 @@ def _overview() -> None:
     elif not backends and not view.backends:
         st.info("No cloud backends yet: overflow has nowhere to go. Add one below.")
     else:
-        st.dataframe(pd.DataFrame(gateway_rows(view, backends, datetime.now(timezone.utc))), hide_index=True,
+        fmt.show(gateway_rows(view, backends, datetime.now(timezone.utc)),
                      column_config={"p50 ms": st.column_config.NumberColumn(format="%.1f"),
                                     "p99 ms": st.column_config.NumberColumn(format="%.1f")})  # fmt: skip
         st.caption(gateway_summary(view))
@@ -48,20 +48,20 @@ def _overview() -> None:
     if not backends:
         st.caption("No backends configured.")
     else:
-        st.dataframe(pd.DataFrame([{
+        fmt.show([{
             "backend": b["name"], "protocol": b.get("protocol") or "v2", "url": b["url"],
-            "models": ", ".join(b["models"]), "model map": model_map_text(b.get("model_map")) or "-",
+            "models": ", ".join(b["models"]), "model map": model_map_text(b.get("model_map")) or DASH,
             "weight": b["weight"],
             "max concurrency": b["max_concurrency"], "timeout ms": b["timeout_ms"],
-            "binary tensors": b["binary_tensors"], "auth header": "set" if b["auth_header_set"] else "-",
+            "binary tensors": b["binary_tensors"], "auth header": "set" if b["auth_header_set"] else DASH,
             "version": b["version"], "updated": clock(b["updated_at"]),
-        } for b in backends]), hide_index=True)  # fmt: skip
+        } for b in backends])  # fmt: skip
     events = api.events(kind="backend.*", limit=EVENTS_SHOWN)["items"]
     st.subheader("Recent backend events")
     if events:
-        st.dataframe(pd.DataFrame([{"time": clock(e["ts"]), "kind": e["kind"], "backend": event_subject(e),
+        fmt.show([{"time": clock(e["ts"]), "kind": fmt.event_kind(e["kind"]), "backend": event_subject(e),
                                     "reason": e["reason"], "numbers": event_numbers(e),
-                                    "actor": e["actor"]} for e in events]), hide_index=True)  # fmt: skip
+                                    "actor": e["actor"]} for e in events])  # fmt: skip
     else:
         st.caption("No backend events yet: changes, ejections, returns and readiness changes show here.")
 

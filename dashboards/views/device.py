@@ -1,5 +1,6 @@
-"""One device: latency percentiles and queue depth over time, batch sizes, its generative models' streams (tokens/s,
-TTFT and TPOT, KV cache, preemptions) and limits, GPU gauges, its policy and events."""
+"""One device: latency percentiles and queue depth over time (from the history API), batch sizes, its generative
+models' streams (tokens/s, TTFT and TPOT over time, KV cache, preemptions) and limits, GPU gauges (and GPU memory and
+temperature over time), its policy and events."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dashboards import charts, session
+from dashboards import charts, fmt, history, session
 from dashboards.describe import (
     agent_state,
     clock,
@@ -17,7 +18,6 @@ from dashboards.describe import (
     generative_settings,
     labels_text,
     ladder,
-    number,
     outcome_mix,
     overflow_text,
     policy_fields,
@@ -25,7 +25,8 @@ from dashboards.describe import (
     worst_p99,
     worst_ttft_p99,
 )
-from dashboards.history import sample_log
+from dashboards.fmt import DASH, number
+from dashboards.history import step_for
 
 WINDOWS = ("1m", "5m", "15m", "1h", "6h")
 BYTES_GAUGES = ("hw.gpu.memory.usage", "hw.gpu.memory.limit", "system.memory.usage")
@@ -66,30 +67,16 @@ def _device(agent_id: str, window: str) -> None:
     cols[0].metric(f"Requests/s ({window})", number(metrics["rps"]))
     cols[1].metric(f"Requests ({window})", number(metrics["requests"]))
     cols[2].metric("p99 ms (slowest group)", number(worst_p99(metrics)))
-    cols[3].metric("Policy version", policy.get("version", "-"))
+    cols[3].metric("Policy version", number(policy.get("version")))
     st.caption(f"id `{agent_id}` · window {clock(metrics['since'])} to {clock(metrics['until'])} UTC")
 
     traffic = metrics["traffic"]
-    log = sample_log(st.session_state, f"device-{agent_id}-{window}")
-    sample: dict[str, float | None] = {}
-    for t in traffic:
-        group = f"{t['model']} p{t['priority']}"
-        for q in ("p50", "p95", "p99"):
-            sample[f"{group} {q}"] = t["latency_ms"][q]
-        sample[f"{group} queue"] = None if t["queue_depth"] is None else t["queue_depth"]["last"]
     generation = metrics.get("generation") or []  # absent from a control plane from before generative telemetry
-    for g in generation:
-        sample[f"{g['model']} TTFT p99 ms"] = (g.get("ttft_ms") or {}).get("p99")
-        sample[f"{g['model']} TPOT p99 ms"] = (g.get("tpot_ms") or {}).get("p99")
-        sample[f"{g['model']} tokens out/s"] = g.get("tokens_out_per_s")
     gauges = metrics["device"]
-    for g in gauges:
-        sample[f"{g['metric']} {labels_text(g['attributes'])}"] = g["last"]
-    log.add(sample)
-    history = log.long()
+    points = session.history_points(lambda: api.agent_history(agent_id, window, step_for(window)))
 
     if generation:  # first: on a device that serves a chat model, its streams are what an operator looks at
-        _generation(generation, policy, history, window)
+        _generation(generation, policy, points, window)
 
     st.subheader("Traffic")
     if generation:
@@ -97,15 +84,14 @@ def _device(agent_id: str, window: str) -> None:
     if not traffic:
         st.info(f"No requests reported in the last {window}.")
     else:
-        st.dataframe(pd.DataFrame([{
+        fmt.show([{
             "model": t["model"], "priority": t["priority"], "versions": ",".join(t["versions"]),
             "requests": t["requests"], "requests/s": t["rps"], "p50 ms": t["latency_ms"]["p50"],
-            "p95 ms": t["latency_ms"]["p95"], "p99 ms": t["latency_ms"]["p99"], "queue ms": t["queue_ms_mean"],
-            "compute ms": t["compute_ms_mean"],
-            "queue depth (last/max)": "-" if t["queue_depth"] is None
+            "p95 ms": t["latency_ms"]["p95"], "p99 ms": t["latency_ms"]["p99"],
+            "queue depth (last/max)": DASH if t["queue_depth"] is None
             else f"{number(t['queue_depth']['last'])} / {number(t['queue_depth']['max'])}",
-            "outcomes": outcome_mix(t["outcomes"]),
-        } for t in traffic]), hide_index=True)  # fmt: skip
+            "outcomes": outcome_mix(t["outcomes"]), "queue ms": t["queue_ms_mean"], "compute ms": t["compute_ms_mean"],
+        } for t in traffic], column_config=fmt.WIDE_OUTCOMES)  # fmt: skip
         left, right = st.columns(2)
         with left:
             bars = [{"group": f"{t['model']} p{t['priority']}", "percentile": q, "ms": t["latency_ms"][q]}
@@ -118,32 +104,28 @@ def _device(agent_id: str, window: str) -> None:
             if mix:
                 st.altair_chart(charts.outcome_bars(mix), width="stretch")
 
-    latency = history[history["series"].str.contains(r" p\d\d$", regex=True)]
-    queue = history[history["series"].str.endswith(" queue")]
-    _side_by_side((latency, "Latency percentiles over time (sampled)", "ms"),
-                  (queue, "Queue depth over time (sampled)", "requests"))  # fmt: skip
+    if points is not None:
+        _side_by_side((history.latency(points), "Latency percentiles over time", "ms"),
+                      (history.queue_depth(points), "Queue depth over time", "requests"))  # fmt: skip
 
     if metrics["batches"]:
         st.subheader("Batch sizes")
-        st.dataframe(pd.DataFrame([{"model": b["model"], "batches": b["batches"], "mean": b["mean"], "p50": b["p50"],
-                                    "p99": b["p99"]} for b in metrics["batches"]]), hide_index=True)  # fmt: skip
+        fmt.show([{"model": b["model"], "batches": b["batches"], "mean": b["mean"], "p50": b["p50"],
+                                 "p99": b["p99"]} for b in metrics["batches"]])  # fmt: skip
 
     st.subheader("Device")
     if not gauges:
         st.info("This device reports no GPU or host gauges (no NVML or jetson-stats on it).")
     else:
-        st.dataframe(pd.DataFrame([_gauge_row(g) for g in gauges]), hide_index=True)
-        device_history = history[history["series"].str.startswith(("hw.", "system."))]
-        temperature = device_history[device_history["series"].str.startswith("hw.temperature")]
-        memory = device_history[device_history["series"].str.startswith("hw.gpu.memory")].assign(
-            value=lambda f: f["value"] / 2**30
-        )
-        _side_by_side((memory, "GPU memory (GiB, sampled)", "GiB"), (temperature, "Temperature (°C, sampled)", "°C"))
+        fmt.show([_gauge_row(g) for g in gauges])
+    if points is not None:
+        _side_by_side((history.gpu_memory(points), "GPU memory (GiB)", "GiB"),
+                      (history.temperature(points), "Temperature (°C)", "°C"))  # fmt: skip
 
     st.subheader(f"Policy v{policy.get('version')}")
     models = policy.get("models") or {}
     if models:
-        st.dataframe(pd.DataFrame([{
+        fmt.show([{
             "model": name, "variant": m.get("variant"), "batch window µs": m.get("max_queue_delay_us"),
             "preferred sizes": ",".join(str(s) for s in m.get("preferred_batch_sizes") or []) or None,
             "generation": "; ".join(t for rung in ("cap_max_tokens", "limit_generation")
@@ -152,26 +134,28 @@ def _device(agent_id: str, window: str) -> None:
             "shed": None if not m.get("shed") else f"priority ≥ {m['shed']['at_or_below']}",
             "fallback": None if not m.get("fallback")
             else f"{m['fallback']['mode']} for ≥ {m['fallback']['at_or_below']}",
-        } for name, m in sorted(models.items())]), hide_index=True)  # fmt: skip
+        } for name, m in sorted(models.items())])  # fmt: skip
     else:
         st.caption("Nothing degraded: every model serves as configured.")
     causes = policy.get("causes") or []
     if causes:
-        st.dataframe(pd.DataFrame([{"rule": c["name"], "action": c["action"], "model": c.get("model", "*"),
-                                    "since": clock(c.get("since"))} for c in causes]), hide_index=True)  # fmt: skip
+        fmt.show([{"rule": c["name"], "action": c["action"], "model": c.get("model", "*"),
+                                 "since": clock(c.get("since"))} for c in causes])  # fmt: skip
     st.markdown("**Degradation ladder** (mildest first)")
-    st.dataframe(pd.DataFrame(ladder(policy, rules, agent)), hide_index=True)
+    fmt.show(ladder(policy, rules, agent))
 
     st.subheader("Events")
     if events:
-        rows = [{"time": clock(e["ts"]), "kind": e["kind"], "numbers": event_numbers(e), "actor": e["actor"],
-                 "reason": e["reason"]} for e in events]  # fmt: skip
-        st.dataframe(pd.DataFrame(rows), hide_index=True)
+        rows = [{"time": clock(e["ts"]), "kind": fmt.event_kind(e["kind"]), "numbers": event_numbers(e),
+                 "actor": e["actor"], "reason": e["reason"]} for e in events]  # fmt: skip
+        fmt.show(rows)
     else:
         st.caption("No events for this agent.")
 
 
-def _generation(generation: list[dict[str, Any]], policy: dict[str, Any], history: pd.DataFrame, window: str) -> None:
+def _generation(
+    generation: list[dict[str, Any]], policy: dict[str, Any], points: list[dict[str, Any]] | None, window: str
+) -> None:
     """Generative models: streams and tokens/s, TTFT and TPOT percentiles, KV cache, preemptions, active streams, and
     the engine limits the policy has in force."""
     st.subheader("Generation")
@@ -180,23 +164,18 @@ def _generation(generation: list[dict[str, Any]], policy: dict[str, Any], histor
     cols = st.columns(4)
     cols[0].metric(f"Tokens out/s ({window})", number(tokens_out_per_s({"generation": generation})))
     cols[1].metric("TTFT p99 ms (slowest model)", number(worst_ttft_p99({"generation": generation})))
-    cols[2].metric("Active streams", number(sum(active)) if active else "-")
-    cols[3].metric("KV-cache use (fullest)", f"{max(kv):.0%}" if kv else "-")
-    st.dataframe(pd.DataFrame(generation_rows(generation)), hide_index=True,
-                 column_config={c: st.column_config.NumberColumn(format="%.1f")
-                                for c in ("streams/s", "tokens in/s", "tokens out/s", "TTFT p50 ms", "TTFT p90 ms",
-                                          "TTFT p99 ms", "TPOT p50 ms", "TPOT p90 ms", "TPOT p99 ms",
-                                          "preemptions/min")})  # fmt: skip
-    latency = history[history["series"].str.contains(r" (?:TTFT|TPOT) p99 ms$", regex=True)]
-    tokens = history[history["series"].str.endswith(" tokens out/s")]
-    _side_by_side((latency, "TTFT and TPOT p99 over time (sampled)", "ms"),
-                  (tokens, "Output tokens/s over time (sampled)", "tokens/s"))  # fmt: skip
+    cols[2].metric("Active streams", number(sum(active)) if active else DASH)
+    cols[3].metric("KV-cache use (fullest)", fmt.share(max(kv)) if kv else DASH)
+    fmt.show(generation_rows(generation), column_config=fmt.WIDE_OUTCOMES)
+    if points is not None:
+        _side_by_side((history.generation_latency(points), "TTFT and TPOT p99 over time", "ms"),
+                      (history.tokens_out(points), "Output tokens/s over time", "tokens/s"))  # fmt: skip
     st.markdown(f"**Generative settings in force** (policy v{policy.get('version')})")
-    st.dataframe(pd.DataFrame(generative_settings(policy, [g["model"] for g in generation])), hide_index=True)
+    fmt.show(generative_settings(policy, [g["model"] for g in generation]))
 
 
 def _side_by_side(left: tuple[pd.DataFrame, str, str], right: tuple[pd.DataFrame, str, str]) -> None:
-    """Two sampled series' line charts (frame, title, unit) in two columns; an empty one leaves its column blank."""
+    """Two line charts from the history (frame, title, unit) in two columns; an empty one leaves its column blank."""
     for column, (frame, title, unit) in zip(st.columns(2), (left, right), strict=True):
         with column:
             if len(frame):
@@ -207,7 +186,7 @@ def _gauge_row(gauge: dict[str, Any]) -> dict[str, Any]:
     scale, unit = (2**30, " GiB") if gauge["metric"] in BYTES_GAUGES else (1, "")
 
     def show(v: float | None) -> str:
-        return "-" if v is None else f"{number(v / scale)}{unit}"
+        return DASH if v is None else f"{number(v / scale)}{unit}"
 
     return {"gauge": gauge["metric"], "attributes": labels_text(gauge["attributes"]), "last": show(gauge["last"]),
             "min": show(gauge["min"]), "max": show(gauge["max"]), "at": clock(gauge["at"])}  # fmt: skip

@@ -5,11 +5,11 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-import pandas as pd
 import streamlit as st
 
-from dashboards import charts, session
+from dashboards import charts, fmt, session
 from dashboards.describe import clock, event_numbers, event_subject
+from dashboards.fmt import DASH
 
 KINDS = ("rule.*", "rule.would_*", "policy.published", "slo.*", "backend.*", "agent.*", "api_key.*", "tenant.*")
 SPANS = {"last 15 minutes": timedelta(minutes=15), "last hour": timedelta(hours=1), "last day": timedelta(days=1),
@@ -54,19 +54,19 @@ def _timeline(filters: dict[str, Any], span: timedelta | None, pages_key: str, a
         st.info("No events match these filters.")
         return
     st.altair_chart(charts.event_timeline(events), width="stretch")
-    st.dataframe(pd.DataFrame([{
-        "time": clock(e["ts"]), "kind": e["kind"], "numbers": event_numbers(e),
-        "agent": agents.get(e["agent_id"] or "", e["agent_id"]) or "-",
-        "rule": rules.get(e["rule_id"] or "", e["rule_id"]) or "-", "subject": event_subject(e),
+    fmt.show([{
+        "time": clock(e["ts"]), "kind": fmt.event_kind(e["kind"]), "numbers": event_numbers(e),
+        "agent": agents.get(e["agent_id"] or "", e["agent_id"]) or DASH,
+        "rule": rules.get(e["rule_id"] or "", e["rule_id"]) or DASH, "subject": event_subject(e),
         "actor": e["actor"], "reason": e["reason"], "id": e["id"],
-    } for e in events]), hide_index=True)  # fmt: skip
+    } for e in events])  # fmt: skip
     more = cursor is not None and st.session_state.get(pages_key, 1) < MAX_PAGES
     if more and st.button(f"Load {PAGE} older events", key=f"more-{pages_key}"):
         st.session_state[pages_key] = st.session_state.get(pages_key, 1) + 1
         st.rerun(scope="fragment")
     ids = [e["id"] for e in events]
     picked = st.selectbox("Show one event whole", [None, *ids], key="events_pick",
-                          format_func=lambda i: "-" if i is None else f"#{i}")  # fmt: skip
+                          format_func=lambda i: DASH if i is None else f"#{i}")  # fmt: skip
     if picked is not None:
         st.json(next(e for e in events if e["id"] == picked))
 

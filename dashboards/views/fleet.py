@@ -1,34 +1,34 @@
-"""Fleet: every agent's health, traffic and degradations at a glance, and the SLOs (generative ones beside the
-others) worst first with their burn rates."""
+"""Fleet: every agent's health, traffic and degradations at a glance, requests/s and p99 over the window (from the
+history API), and the SLOs (generative ones beside the others) worst first with their burn rates."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import altair as alt
-import pandas as pd
 import streamlit as st
 
-from dashboards import charts, session
+from dashboards import charts, fmt, history, session
 from dashboards.api import DashboardApiError, gather
 from dashboards.describe import (
     agent_state,
     burn_text,
     clock,
+    coverage_text,
     labels_text,
-    number,
     outcome_mix,
-    percent,
-    ratio_percent,
     sli_text,
     tokens_out_per_s,
     worst_p99,
     worst_ttft_p99,
 )
-from dashboards.history import sample_log
+from dashboards.fmt import DASH, number, percent, ratio_percent
+from dashboards.history import step_for
 
 WINDOWS = ("1m", "5m", "15m", "1h", "6h")
 STATE_ORDER = {"degraded": 0, "stale": 1, "healthy": 2, "never_seen": 3}
+COLUMNS = ["agent", "status", "requests/s", "p99 ms (slowest group)", "outcomes", "TTFT p99 ms", "tokens out/s",
+           "degradations", "device", "labels", "policy v", "last seen", "page"]  # fmt: skip
 
 
 def render() -> None:
@@ -61,7 +61,6 @@ def _fleet(window: str) -> None:
     cols[4].metric("p50 (ms)", number(live["p50_ms"]))
     cols[5].metric("p99 (ms)", number(live["p99_ms"]))
     cols[6].metric("SLOs firing", f"{len(firing)} / {status['slos']}")
-    sample_log(st.session_state, f"fleet-{window}").add({"requests/s": live["rps"], "p99 ms": live["p99_ms"]})
 
     label_pairs = sorted({f"{k}={v}" for a in agents for k, v in (a.get("labels") or {}).items()})
     wanted = st.multiselect("Filter by label", label_pairs, key="fleet_labels", placeholder="every agent")
@@ -83,25 +82,16 @@ def _fleet(window: str) -> None:
             "p99 ms (slowest group)": None if metrics is None else worst_p99(metrics),
             "TTFT p99 ms": worst_ttft_p99(metrics),
             "tokens out/s": tokens_out_per_s(metrics),
-            "outcomes": "-" if metrics is None else outcome_mix(metrics["outcomes"]),
-            "degradations": ", ".join(f"{c['name']} -> {c['action']} ({c.get('model', '*')})" for c in causes) or "-",
+            "outcomes": DASH if metrics is None else outcome_mix(metrics["outcomes"]),
+            "degradations": ", ".join(f"{c['name']} -> {c['action']} ({c.get('model', '*')})" for c in causes) or DASH,
             "policy v": None if policy is None else policy.get("version"),
             "last seen": clock(agent.get("last_seen")),
             "page": f"device?agent={agent['id']}",
         })  # fmt: skip
     rows.sort(key=lambda r: (STATE_ORDER.get(r["status"], 9), r["agent"]))
     st.subheader(f"Agents ({len(rows)} of {len(agents)})")
-    st.dataframe(
-        pd.DataFrame(rows),
-        hide_index=True,
-        column_config={
-            "page": st.column_config.LinkColumn("device page", display_text="open"),
-            "requests/s": st.column_config.NumberColumn(format="%.2f"),
-            "p99 ms (slowest group)": st.column_config.NumberColumn(format="%.1f"),
-            "TTFT p99 ms": st.column_config.NumberColumn(format="%.1f"),
-            "tokens out/s": st.column_config.NumberColumn(format="%.1f"),
-        },
-    )
+    fmt.show(rows, COLUMNS, column_config={"page": st.column_config.LinkColumn("device page", display_text="open"),
+                                           **fmt.WIDE_OUTCOMES})  # fmt: skip
 
     left, right = st.columns(2)
     with left:
@@ -113,11 +103,12 @@ def _fleet(window: str) -> None:
         else:
             st.info(f"No requests reported by any agent in the last {window}.")
     with right:
-        history = sample_log(st.session_state, f"fleet-{window}").long()
+        points = session.history_points(lambda: api.fleet_history(window, step_for(window)))
+        over_time = history.fleet(points or [])
         for series, title in (("requests/s", "Fleet requests/s"), ("p99 ms", "Fleet p99 (ms)")):
-            points = history[history["series"] == series]
-            if len(points):
-                chart = charts.lines(points, f"{title}, sampled by this session", series, height=170)
+            shown = over_time[over_time["series"] == series]
+            if len(shown):
+                chart = charts.lines(shown, f"{title}, last {window}", series, height=170)
                 st.altair_chart(chart.encode(color=alt.value("#1565c0")), width="stretch")
 
     traffic = [{"model": t["model"], "priority": t["priority"], "requests": t["requests"], "requests/s": t["rps"],
@@ -125,22 +116,23 @@ def _fleet(window: str) -> None:
                for t in live["traffic"]]  # fmt: skip
     if traffic:
         st.subheader("Traffic per model and priority")
-        st.dataframe(pd.DataFrame(traffic), hide_index=True)
+        fmt.show(traffic, column_config=fmt.WIDE_OUTCOMES)
 
     st.subheader("SLOs, least budget left first")
     specs = {} if isinstance(found["slos"], DashboardApiError) else {s["id"]: s for s in found["slos"]}
     states = []
     for s in status["slo_states"]:
         spec, evaluated = specs.get(s["slo"]), found[f"s:{s['slo']}"]
-        alerts = [] if isinstance(evaluated, DashboardApiError) else evaluated.get("alerts") or []
+        fresh = not isinstance(evaluated, DashboardApiError)
+        alerts = evaluated.get("alerts") or [] if fresh else []
         states.append({
-            "SLO": s["name"], "SLI kind": sli_text(spec) if spec else "-", "objective": percent(s["objective"], 2),
-            "SLI": ratio_percent(s["sli"]),
-            "budget left": "-" if s["budget_remaining"] is None else f"{s['budget_remaining']:.1%}",
-            "burn rate (closest pair)": burn_text(alerts), "firing": ", ".join(s["firing"]) or "-",
+            "SLO": s["name"], "SLI kind": sli_text(spec) if spec else DASH, "objective": percent(s["objective"]),
+            "SLI": ratio_percent(s["sli"]), "budget left": ratio_percent(s["budget_remaining"], 1),
+            "covers": coverage_text(evaluated) if fresh else DASH,
+            "burn rate (closest pair)": burn_text(alerts), "firing": ", ".join(s["firing"]) or DASH,
         })  # fmt: skip
     if states:
-        st.dataframe(pd.DataFrame(states), hide_index=True)
+        fmt.show(states)
     else:
         st.info("No SLOs defined yet.")
     loop = status["control_loop"]

@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dashboards import forms, session
+from dashboards import fmt, forms, session
 from dashboards.api import DashboardApiError, gather
 from dashboards.describe import (
     action_text,
@@ -51,10 +51,10 @@ def _overview() -> None:
         states += [{"rule": rule["name"], "agent": s["agent_name"], "state": s["state"], "since": clock(s["since"]),
                     "step": s["step"], "latched": s["latched"], "observed": observed_text(s["observed"]),
                     "agent id": s["agent"]} for s in per_agent]  # fmt: skip
-    st.dataframe(pd.DataFrame(rows), hide_index=True)
+    fmt.show(rows)
     st.subheader("Where rules stand now")
     if states:
-        st.dataframe(pd.DataFrame(states).drop(columns="agent id"), hide_index=True)
+        fmt.show(pd.DataFrame(states).drop(columns="agent id"))
     else:
         st.caption("No rule is pending, firing or recovering on any agent.")
 
@@ -68,7 +68,7 @@ def _overview() -> None:
     ident = st.selectbox("Agent", sorted(by_id, key=lambda i: (i not in busy, by_id[i]["name"])),
                          format_func=lambda i: by_id[i]["name"], key="rules_ladder_agent")  # fmt: skip
     policy = api.policy(ident)
-    st.dataframe(pd.DataFrame(ladder(policy, rules, by_id[ident])), hide_index=True)
+    fmt.show(ladder(policy, rules, by_id[ident]))
     st.caption(f"Policy v{policy.get('version')} of {by_id[ident]['name']}. Dry-run rules never reach a policy.")
 
 

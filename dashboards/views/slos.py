@@ -1,18 +1,21 @@
-"""SLOs: SLI against objective and error budget left, worst first; burn rates against their thresholds; edit."""
+"""SLOs: SLI against objective and error budget left, worst first (with a note when an SLO is younger than its
+window); burn rates against their thresholds now and over time, budget and SLI over time (the history API); edit."""
 
 from __future__ import annotations
 
 from functools import partial
 from typing import Any
 
-import pandas as pd
 import streamlit as st
 
-from dashboards import charts, forms, session
+from dashboards import charts, fmt, forms, history, session
 from dashboards.api import DashboardApiError, gather
-from dashboards.describe import clock, number, percent, ratio_percent, selector_text, sli_text
+from dashboards.describe import clock, coverage_note, coverage_text, selector_text, sli_text
 from dashboards.editor import Crud, crud
-from dashboards.history import sample_log
+from dashboards.fmt import DASH, number, percent, ratio_percent
+from dashboards.history import slo_step_for
+
+HISTORY_WINDOWS = ("1h", "6h", "1d", "7d")  # the history API answers up to 7 days
 
 
 def render() -> None:
@@ -42,15 +45,15 @@ def _overview() -> None:
         fresh = not isinstance(status, DashboardApiError)
         alerts = status["alerts"] if fresh else []
         rows.append({
-            "SLO": slo["name"], "SLI kind": sli_text(slo),
-            "objective": percent(slo["objective"], 2), "SLI": ratio_percent(status["sli"]) if fresh else "-",
-            "budget left": "-" if not fresh or status["budget_remaining"] is None
-            else f"{status['budget_remaining']:.1%}",
+            "SLO": slo["name"], "SLI kind": sli_text(slo), "objective": percent(slo["objective"]),
+            "SLI": ratio_percent(status["sli"]) if fresh else DASH,
+            "budget left": ratio_percent(status["budget_remaining"], 1) if fresh else DASH,
+            "covers": coverage_text(status) if fresh else DASH,
             "requests": status["total"] if fresh else None, "window": slo["window"],
-            "firing": ", ".join(f"{a['long']}/{a['short']}" for a in alerts if a["firing"]) or "-",
+            "firing": ", ".join(f"{a['long']}/{a['short']}" for a in alerts if a["firing"]) or DASH,
             "agents": status["agents"] if fresh else None, "selector": selector_text(slo.get("selector")),
         })  # fmt: skip
-    st.dataframe(pd.DataFrame(rows), hide_index=True)
+    fmt.show(rows)
     pending = [s["name"] for s, status in pairs if isinstance(status, DashboardApiError)]
     if pending:
         st.caption(f"Not evaluated yet (new or just changed): {', '.join(pending)}.")
@@ -60,40 +63,55 @@ def _overview() -> None:
         st.altair_chart(charts.budget_bars(states), width="stretch")
 
     names = [s["name"] for s, _ in pairs]
-    name = st.selectbox("Burn rates of", names, key="slo_focus")
+    cols = st.columns([3, 2])
+    name = cols[0].selectbox("Burn rates of", names, key="slo_focus")
+    window = cols[1].segmented_control("Over the last", HISTORY_WINDOWS, default="6h", key="slo_history_window")
+    window = window or "6h"
     slo, status = next((s, st_) for s, st_ in pairs if s["name"] == name)
     if isinstance(status, DashboardApiError):
         st.caption(session.explain(status))
         return
-    log = sample_log(st.session_state, f"slo-{slo['id']}")
-    log.add({f"{a['long']}/{a['short']} {w}": a[f"{w}_burn_rate"] for a in status["alerts"] for w in ("long", "short")})
-    st.caption(f"SLI {ratio_percent(status['sli'])} over {status['window']} against {percent(status['objective'], 2)}: "
+    tiles = st.columns(4)
+    tiles[0].metric(f"SLI ({status['window']})", ratio_percent(status["sli"]))
+    tiles[1].metric("Budget left", ratio_percent(status["budget_remaining"], 1))
+    tiles[2].metric("Requests", number(status["total"]))
+    tiles[3].metric("Objective", percent(status["objective"]))
+    note = coverage_note(status)
+    if note:
+        st.warning(f"The {note}: the SLO (or its traffic) is younger than its window, so the budget left is what "
+                   "those minutes alone spent.", icon=":material/schedule:")  # fmt: skip
+    st.caption(f"SLI {ratio_percent(status['sli'])} over {status['window']} against {percent(status['objective'])}: "
                f"{number(status['good'])} good of {number(status['total'])}; evaluated "
                f"{clock(status['evaluated_at'])} UTC.")  # fmt: skip
     left, right = st.columns(2)
     with left:
         if status["alerts"]:
             st.altair_chart(charts.burn_rate_bars(status["alerts"]), width="stretch")
+    points = session.history_points(lambda: api.slo_history(slo["id"], window, slo_step_for(window)))
     with right:
-        history = log.long()
-        if len(history):
-            thresholds = {f"{a['long']}/{a['short']}": a["threshold"] for a in status["alerts"]}
-            st.altair_chart(charts.burn_rate_history(history, thresholds), width="stretch")
-    st.dataframe(pd.DataFrame([{
+        burns = history.burn_rates(points or [])
+        if len(burns):
+            st.altair_chart(charts.burn_rate_history(burns, history.thresholds(points or [])), width="stretch")
+        elif points is not None:
+            st.caption(f"No burn rate to chart in the last {window}: no requests in its alert windows.")
+    budget = history.budget(points or [])
+    if len(budget):
+        st.altair_chart(charts.budget_history(budget, status.get("objective")), width="stretch")
+    fmt.show([{
         "alert pair": f"{a['long']}/{a['short']}", "severity": a["severity"], "threshold": a["threshold"],
         "long burn rate": a["long_burn_rate"], "short burn rate": a["short_burn_rate"],
         "firing": "FIRING" if a["firing"] else "no",
-    } for a in status["alerts"]]), hide_index=True)  # fmt: skip
+    } for a in status["alerts"]])  # fmt: skip
     per_agent = api.get(f"/slos/{slo['id']}/agents", limit=50)
     if per_agent:
         agents = {a["id"]: a["name"] for a in api.list_all("agents")}
         st.markdown("**Per agent, least budget left first**")
-        st.dataframe(pd.DataFrame([{
+        fmt.show([{
             "agent": agents.get(p["agent"], p["agent"]), "SLI": ratio_percent(p["sli"]),
-            "budget left": "-" if p["budget_remaining"] is None else f"{p['budget_remaining']:.1%}",
+            "budget left": ratio_percent(p["budget_remaining"], 1), "covers": coverage_text(p),
             "requests": p["total"], "firing": ", ".join(f"{a['long']}/{a['short']}" for a in p["alerts"]
-                                                       if a["firing"]) or "-",
-        } for p in per_agent]), hide_index=True)  # fmt: skip
+                                                       if a["firing"]) or DASH,
+        } for p in per_agent])  # fmt: skip
 
 
 SLOS = Crud(
@@ -104,7 +122,8 @@ SLOS = Crud(
 
 def _editing() -> None:
     if crud(SLOS):
-        st.caption("OpenSLO import and export: the REST API does not offer them yet.")
+        st.caption("SLOs kept as OpenSLO files: `spillway slo import FILE` brings them in, `spillway slo export ID` "
+                   "writes one out (`POST /api/v1/slos/import`, `GET /api/v1/slos/{id}/openslo`).")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,12 +7,12 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import pandas as pd
 import streamlit as st
 
-from dashboards import session
+from dashboards import fmt, session
 from dashboards.api import DashboardApiError, Role, SpillwayApi, gather
-from dashboards.describe import clock, labels_text, number, outcome_mix, selects
+from dashboards.describe import clock, labels_text, outcome_mix, selects
+from dashboards.fmt import DASH, number, ratio_percent
 from dashboards.forms import Build, open_form
 from dashboards.session import form_summary
 
@@ -51,7 +51,7 @@ def render() -> None:
 
 
 def limits_text(tenant: dict[str, Any]) -> dict[str, str]:
-    return {label: "-" if tenant.get(field) is None else number(tenant[field]) for field, (label, _) in LIMITS.items()}
+    return {label: DASH if tenant.get(field) is None else number(tenant[field]) for field, (label, _) in LIMITS.items()}
 
 
 def _overview() -> None:
@@ -72,7 +72,7 @@ def _overview() -> None:
                 "tokens": "?" if isinstance(found, DashboardApiError) else len(found["items"]),
                 "version": t["version"], "updated": clock(t["updated_at"]),
             })  # fmt: skip
-        st.dataframe(pd.DataFrame(rows), hide_index=True)
+        fmt.show(rows)
         st.caption(
             "Within a priority level, an agent serves its tenants in proportion to their weights; a tenant "
             "over a quota gets 429 (reason tenant_quota). The operator's own token is the `default` tenant."
@@ -82,15 +82,14 @@ def _overview() -> None:
 
 def tenant_rows(by_tenant: Any) -> list[dict[str, Any]]:
     """The agent metrics' `by_tenant` entries as table rows: what each tenant sent, what share of the requests the
-    device served was its, what was refused, and how fast it was served. A figure the answer lacks shows as '-'."""
+    device served was its, what was refused, and how fast it was served. A figure the answer lacks shows as `DASH`."""
     entries = by_tenant if isinstance(by_tenant, list) else []
     rows = []
     for item in (e for e in entries if isinstance(e, dict)):
         latency, ttft = item.get("latency_ms") or {}, item.get("ttft_ms") or {}
-        share = item.get("share")
         rows.append({
             "tenant": item.get("tenant", "?"), "requests": item.get("requests"), "requests/s": item.get("rps"),
-            "served": item.get("served"), "share": "-" if share is None else f"{100 * share:.1f}%",
+            "served": item.get("served"), "share": ratio_percent(item.get("share"), 1),
             "refused": item.get("rejected"), "outcomes": outcome_mix(item.get("outcomes") or {}),
             "p50 ms": latency.get("p50"), "p99 ms": latency.get("p99"), "TTFT p99 ms": ttft.get("p99"),
             "tokens out/s": item.get("tokens_out_per_s"),
@@ -119,7 +118,7 @@ def _traffic(api: SpillwayApi, tenants: list[dict[str, Any]], agents: list[dict[
     elif not rows:
         st.caption(f"No requests from any tenant on {by_id[ident]['name']} in the last {window}.")
     else:
-        st.dataframe(pd.DataFrame(rows), hide_index=True)
+        fmt.show(rows, column_config=fmt.WIDE_OUTCOMES)
         st.caption("share: of the requests the device served in the window; refused: outcome `rejected` (over a "
                    "quota, or refused by admission).")  # fmt: skip
 
@@ -215,8 +214,8 @@ def _tokens(api: SpillwayApi, ident: str, name: str, disabled: bool) -> None:
     st.subheader(f"Tokens of {name}")
     tokens = api.get(f"/tenants/{ident}/tokens")["items"]
     if tokens:
-        st.dataframe(pd.DataFrame([{"token": f"{t['prefix']}…", "label": t["label"] or "-",
-                                    "created": clock(t["created_at"])} for t in tokens]), hide_index=True)  # fmt: skip
+        fmt.show([{"token": f"{t['prefix']}…", "label": t["label"] or DASH,
+                                    "created": clock(t["created_at"])} for t in tokens])  # fmt: skip
     else:
         st.caption(f"{name} has no token yet: its applications cannot call the agents until it has one.")
     key = f"tenant-tokens-{ident}"

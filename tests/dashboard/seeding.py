@@ -1,7 +1,10 @@
 """A seeded control plane for the dashboard tests: the example fleet through the REST API, one extra rule that
 fires at once, a generative agent (`tiny-lm`) with a TTFT SLO, a rule that caps max_tokens on a full KV cache and an
 `openai` backend, and a minute of telemetry from every agent through the real OTLP endpoint (`POST /v1/metrics`,
-with each agent's token), so the pages have names and numbers to show."""
+with each agent's token), so the pages have names and numbers to show. History comes the same way, with past
+timestamps: the same traffic 20 and 30 minutes ago (outside the pages' 5-minute windows; the same mix, so every ratio,
+burn rate and budget stays as the current minute makes it) and the gauges in each of the last five minutes (the same
+readings), so a chart opened once already has points to draw."""
 
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ LATENCY_BOUNDS_S = [ms / 1000 for ms in (1, 2, 5, 10, 20, 50, 100, 200, 500, 100
 BATCH_BOUNDS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 GIB = 2**30
 GAUGE_EXPORT_INTERVAL_S = 5.0
+PAST_TRAFFIC_MIN = (30, 20)  # minutes ago: each agent's traffic once more (the SLO page's charts have a history)
+PAST_GAUGES_MIN = (5, 4, 3, 2, 1)  # minutes ago: each agent's gauges (the device page's charts, in its 5m window)
 
 # A rule that fires on the first control-loop cycle: the seeded queue depth (80) is over its threshold.
 FIRING_RULE = {
@@ -145,10 +150,11 @@ class SeededPlane:
     backends: dict[str, str]
     tokens: dict[str, str]  # agent name -> its token
 
-    def export(self, *, traffic: bool) -> None:
-        """Each agent reports, as its OTLP exporter would."""
+    def export(self, *, traffic: bool, ago_s: float = 0.0) -> None:
+        """Each agent reports, as its OTLP exporter would (`ago_s` seconds ago: a late export, past history)."""
+        at = time.time_ns() - int(ago_s * 1e9)
         for name, ident in self.agents.items():
-            response = httpx.post(f"{self.url}/v1/metrics", content=export_body(ident, name, traffic=traffic),
+            response = httpx.post(f"{self.url}/v1/metrics", content=export_body(ident, name, traffic=traffic, at=at),
                                   headers={"Authorization": f"Bearer {self.tokens[name]}",
                                            "Content-Type": "application/x-protobuf"}, timeout=10)  # fmt: skip
             assert response.status_code == 200, response.text
@@ -216,10 +222,11 @@ def generative_metrics(counters: list[NumberDataPoint], start: int, now: int) ->
     return metrics
 
 
-def export_body(agent_id: str, name: str, *, traffic: bool = True) -> bytes:
-    """One OTLP export (delta temporality: what happened in the last 30 s) of the agent's seeded traffic and
-    gauges; `traffic=False`: the gauges alone (a later export of an idle agent: counts stay as they were)."""
-    now = time.time_ns()
+def export_body(agent_id: str, name: str, *, traffic: bool = True, at: int | None = None) -> bytes:
+    """One OTLP export (delta temporality: what happened in the 30 s before `at`, in ns, default now) of the agent's
+    seeded traffic and gauges; `traffic=False`: the gauges alone (a later export of an idle agent: counts stay as
+    they were)."""
+    now = time.time_ns() if at is None else at
     start = now - 30 * 10**9
     durations, queued, computed, counters, batches = [], [], [], [], []
     for (priority, outcome), (n, by_ms) in TRAFFIC.get(name, {}).items():
@@ -262,7 +269,7 @@ def export_body(agent_id: str, name: str, *, traffic: bool = True) -> bytes:
 
 
 def seed(url: str, keys: dict[str, str]) -> SeededPlane:
-    """The example fleet and the firing rule through the REST API, then one export from each agent."""
+    """The example fleet and the firing rule through the REST API, then each agent's past exports and one now."""
     fleet = yaml.safe_load(EXAMPLE_FLEET.read_text())
     fleet["agents"].append(GENERATIVE_AGENT)
     fleet["slos"].append(TTFT_SLO)
@@ -281,6 +288,10 @@ def seed(url: str, keys: dict[str, str]) -> SeededPlane:
                     body = body["agent"]
                 made[kind][item["name"]] = body["id"]
     plane = SeededPlane(url, keys, made["agents"], made["slos"], made["rules"], made["backends"], tokens)
+    for minutes in PAST_TRAFFIC_MIN:
+        plane.export(traffic=True, ago_s=minutes * 60)
+    for minutes in PAST_GAUGES_MIN:
+        plane.export(traffic=False, ago_s=minutes * 60)
     plane.export(traffic=True)
     return plane
 
@@ -305,7 +316,7 @@ def seeded_plane(db_url: str) -> Iterator[SeededPlane]:
     settings = Settings(database_url=db_url, control_loop_interval_s=1, evaluation_interval_s=0, stale_after_s=3600)
     with serving(create_app(settings)) as url:
         plane = seed(url, keys)
-        berlin, orin = plane.agents["jetson-berlin-01"], plane.agents[GENERATIVE_AGENT["name"]]
+        berlin, orin = plane.agents["jetson-berlin-01"], plane.agents[str(GENERATIVE_AGENT["name"])]
         wait_for(lambda: plane.get(f"/agents/{berlin}/policy")["causes"], "the firing rule to reach the policy")
         wait_for(lambda: plane.get(f"/agents/{orin}/policy")["causes"], "the max_tokens cap to reach the policy")
         stop = threading.Event()

@@ -3,12 +3,15 @@ through the REST API (with the API's validation messages under their fields, and
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
 import pandas as pd
+from streamlit.dataframe_util import convert_arrow_bytes_to_pandas_df
 from streamlit.testing.v1 import AppTest
 
+from dashboards.fmt import DASH
 from tests.dashboard.conftest import OpenPage
 from tests.dashboard.seeding import SeededPlane, wait_for
 from tests.utils.builders import make_backend
@@ -34,6 +37,23 @@ def right_after(at: AppTest, key: str) -> Any:
 def table(at: AppTest, having: str) -> pd.DataFrame:
     """The first dataframe with a column named `having`."""
     return next(df.value for df in at.dataframe if having in df.value.columns)
+
+
+def shown(at: AppTest, having: str) -> pd.DataFrame:
+    """The first dataframe with a column named `having`, as the page shows it (each cell's text, `fmt.table`'s)."""
+    element = next(df for df in at.dataframe if having in df.value.columns)
+    return convert_arrow_bytes_to_pandas_df(element.proto.arrow_data.styler.display_values)
+
+
+def chart_points(at: AppTest, title: str) -> pd.DataFrame:
+    """The points (time, series, value) of the line chart titled `title`: the data the page handed to Vega."""
+    for element in at.get("vega_lite_chart"):
+        spec = json.loads(element.proto.spec)
+        titles = [spec.get("title"), *(layer.get("title") for layer in spec.get("layer", []))]
+        if any(t == title or (isinstance(t, dict) and t.get("text") == title) for t in titles):
+            frames = [convert_arrow_bytes_to_pandas_df(d.data.data) for d in element.proto.datasets]
+            return next(f for f in frames if {"time", "value"} <= set(f.columns))
+    raise AssertionError(f"no chart titled {title!r}")
 
 
 def button(at: AppTest, label: str) -> Any:
@@ -69,8 +89,18 @@ def test_fleet_shows_every_agent_with_its_state_traffic_and_degradations(open_pa
     assert slos.loc["mlp-latency", "SLI kind"] == "latency ≤ 50 ms"
     # 10 of 390 first tokens over 500 ms against a 1 % budget: 2.56x, which fires the slowest pair only.
     assert slos.loc["tiny-lm-ttft", "burn rate (closest pair)"] == "2.56x / 2.56x over 4032m/336m (fires at 1x)"
-    assert slos.loc["tiny-lm-ttft", "firing"] != "-"
+    assert slos.loc["tiny-lm-ttft", "firing"] != DASH
     assert any(c.value.startswith("Last updated ") for c in at.caption)
+    assert any(c.value.startswith("Signed in as **") and c.value.endswith("(editor)") for c in at.sidebar.caption)
+    people = shown(at, "agent").set_index("agent")  # numbers for people: no None, no NaN, no 4 decimals
+    assert (
+        people.loc["jetson-berlin-01", "TTFT p99 ms"] == DASH and people.loc["orin-chat-01", "TTFT p99 ms"] == "902.5"
+    )
+    assert people.loc["jetson-berlin-01", "p99 ms (slowest group)"] == "185"
+    # The fleet's requests/s over the window from the history API: the current minute's, and the quiet minutes
+    # before it (0 requests/s), already on the first load.
+    rps = chart_points(at, "Fleet requests/s, last 5m")
+    assert len(rps) > 1 and rps["value"].max() > 0  # (the seeded minute may be the last or the one before)
 
     at.multiselect(key="fleet_labels").select("site=lab").run()
     assert list(table(at, "agent")["agent"]) == ["desktop-gpu-lab"]
@@ -96,7 +126,17 @@ def test_device_page_shows_percentiles_queues_gauges_policy_and_ladder(open_page
     assert ladder.loc["shed low priorities", "by rules"] == "shed-on-deep-queue"
     assert "priority ≥ 3 refused" in ladder.loc["shed low priorities", "now"]
     events = table(at, "numbers")
-    assert "rule.fired" in set(events["kind"])
+    assert "rule fired" in set(events["kind"])  # kinds in words
+    traffic_shown = shown(at, "p99 ms").set_index("priority")
+    assert traffic_shown.loc["3", "p99 ms"] == "185" and "." in traffic_shown.loc["3", "p50 ms"]
+    assert len(traffic_shown.loc["3", "p50 ms"].split(".")[1]) == 1  # 30.7143 reads 30.7
+    # Charts from the history API, on the first load: the seeded gauges of the last five minutes and this one.
+    memory = chart_points(at, "GPU memory (GiB)")
+    used = memory[memory["series"].str.startswith("hw.gpu.memory.usage")]
+    assert len(used) > 1 and set(used["value"]) == {5.25}
+    assert len(chart_points(at, "Queue depth over time")) > 1
+    assert len(chart_points(at, "Temperature (°C)")) > 1
+    assert not any("sampled" in c.value for c in at.caption)
 
 
 def test_device_page_shows_a_generative_models_streams_and_limits(open_page: OpenPage, fleet: SeededPlane) -> None:
@@ -118,14 +158,23 @@ def test_device_page_shows_a_generative_models_streams_and_limits(open_page: Ope
     assert table(at, "overflow").set_index("model").loc["tiny-lm", "generation"] == "max_tokens ≤ 128"
     rung = table(at, "rung").set_index("rung").loc["cap max_tokens"]
     assert (rung["in force"], rung["by rules"]) == ("yes", "cap-tokens-on-full-kv")
+    assert len(chart_points(at, "TTFT and TPOT p99 over time")) >= 1  # the current minute's streams
+    assert len(chart_points(at, "GPU memory (GiB)")) > 1
 
 
 def test_slos_sorted_worst_first_with_burn_rates_against_thresholds(open_page: OpenPage) -> None:
     at = open_page("slos")
     no_errors(at)
     slos = table(at, "budget left")
-    budgets = [float(b.rstrip("%")) for b in slos["budget left"]]
+    budgets = [float(b.rstrip(" %")) for b in slos["budget left"]]
     assert budgets == sorted(budgets) and budgets[0] < 0  # least budget left first
+    # Traffic 30 minutes ago is the oldest: the figures cover half an hour of the 28-day window, and say so.
+    assert all(c.endswith(" of 28d") for c in slos["covers"])
+    assert any("figures cover only" in w.value and "of the 28d window" in w.value for w in at.warning)
+    # The burn rates and the budget over the last 6 hours from the SLO's history, on the first load.
+    burns = chart_points(at, "Burn rate over time (dashed: each pair's threshold)")
+    assert len(burns[burns["series"] == "4032m/336m long"]) > 1
+    assert len(chart_points(at, "Budget left and SLI over time")) > 1
     alerts = table(at, "alert pair").set_index("alert pair")
     assert set(alerts.index) == {"56m/5m", "336m/28m", "4032m/336m"}
     assert alerts.loc["56m/5m", "threshold"] == 14.4
@@ -447,10 +496,10 @@ def test_backends_page_shows_each_backends_live_state_in_the_gateway(open_page: 
         assert "503" in row["last error"]
         assert any("requests in flight" in c.value and "retries in flight" in c.value for c in at.caption)
         events = table(at, "reason")
-        ejected = events[(events["kind"] == "backend.ejected") & (events["backend"] == "cloud-faulty")].iloc[0]
+        ejected = events[(events["kind"] == "backend ejected") & (events["backend"] == "cloud-faulty")].iloc[0]
         assert ejected["actor"] == "gateway" and "5 consecutive failures" in ejected["reason"]
         assert "times_ejected=1" in ejected["numbers"]
-        assert "backend.created" in set(events["kind"])
+        assert "backend created" in set(events["kind"])
     finally:
         backend.proc.terminate()
         backend.proc.wait(timeout=15)
@@ -463,15 +512,15 @@ def test_events_timeline_filters_by_kind_agent_and_rule(open_page: OpenPage, fle
     at = open_page("events")
     no_errors(at)
     events = table(at, "numbers")
-    assert {"rule.fired", "policy.published", "slo.created"} <= set(events["kind"])
+    assert {"rule fired", "policy published", "slo created"} <= set(events["kind"])  # kinds in words
     assert list(events["id"]) == sorted(events["id"], reverse=True)  # newest first
-    fired = events[(events["kind"] == "rule.fired") & (events["rule"] == "shed-on-deep-queue")].iloc[-1]
+    fired = events[(events["kind"] == "rule fired") & (events["rule"] == "shed-on-deep-queue")].iloc[-1]
     assert fired["agent"] == "jetson-berlin-01"
     assert "threshold=32" in fired["numbers"]
 
     at.selectbox(key="events_kind").select("rule.*").run()
     kinds = set(table(at, "numbers")["kind"])
-    assert "rule.fired" in kinds and all(k.startswith("rule.") for k in kinds)
+    assert "rule fired" in kinds and all(k.startswith("rule ") for k in kinds)
     at.selectbox(key="events_kind").select(None)
     at.selectbox(key="events_rule").select(fleet.rules["shed-on-deep-queue"]).run()
     assert set(table(at, "numbers")["rule"]) == {"shed-on-deep-queue"}
@@ -482,6 +531,7 @@ def test_a_viewer_sees_every_page_with_editing_disabled(open_page: OpenPage) -> 
         at = open_page(page, role="viewer")
         no_errors(at)
         assert any("has the **viewer** role" in i.value for i in at.info)
+        assert any(c.value.startswith("Signed in as **") and c.value.endswith("(viewer)") for c in at.sidebar.caption)
         assert button(at, submit).disabled
         assert all(t.disabled for t in at.text_input)
     at = open_page("rules", role="viewer")

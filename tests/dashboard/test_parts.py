@@ -1,5 +1,6 @@
 """The dashboard's plain parts: API errors to field messages, sentences for rules and events, the degradation
-ladder, form parsing, sampled history, and how `spillway dashboard` starts Streamlit."""
+ladder, form parsing, numbers for people, history answers shaped for the charts (on recorded sample answers), and how
+`spillway dashboard` starts Streamlit."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ from typer.testing import CliRunner
 
 from controlplane.schemas.rules import ACTION_LADDER, GaugeMetric
 from controlplane.slo.maths import GOOD_OUTCOMES
+from dashboards import fmt, history
 from dashboards.api import ApiError, ApiUnreachable, SpillwayApi, field_errors, gather
-from dashboards.charts import OUTCOME_COLOURS, OUTCOME_LABELS, outcome_bars
+from dashboards.charts import OUTCOME_COLOURS, OUTCOME_LABELS, budget_history, burn_rate_history, outcome_bars
 from dashboards.describe import (
     LADDER,
     action_text,
     agent_state,
     burn_text,
     condition_text,
+    coverage_note,
+    coverage_text,
     event_numbers,
     event_subject,
     generation_rows,
@@ -43,7 +47,6 @@ from dashboards.forms import (
     parse_sizes,
 )
 from dashboards.gateway import NOT_LOADED, GatewayView, backend_state, gateway_rows, gateway_summary, gateway_view
-from dashboards.history import SampleLog
 from dashboards.launch import dashboard_env, start_dashboard, streamlit_command, wait_ready
 from dashboards.session import LocalFieldErrors, field_matches
 from spillway.cli import app
@@ -101,19 +104,16 @@ def test_api_errors_carry_status_code_and_fields_and_transport_errors_name_the_u
     assert isinstance(found["a"], ApiUnreachable) and found["b"] == 1
 
 
-def test_role_is_probed_without_changing_anything() -> None:
-    def handler_for(role: str) -> Any:
-        def handler(request: httpx.Request) -> httpx.Response:
-            assert request.method in ("GET", "POST")
-            if request.url.path == "/api/v1/keys":
-                return httpx.Response(200 if role == "admin" else 403, json={"error": "forbidden", "message": "no"})
-            assert request.content == b"{}"  # an empty body: refused either way, never created
-            return httpx.Response(403 if role == "viewer" else 422, json={"error": "e", "message": "m"})
+def test_whoami_is_asked_once_with_a_get_and_nothing_is_probed() -> None:
+    seen = []
 
-        return handler
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.path))
+        return httpx.Response(200, json={"kind": "key", "id": "k1", "name": "ops-viewer", "role": "viewer"})
 
-    for role in ("viewer", "editor", "admin"):
-        assert SpillwayApi("http://cp.test", "k", transport=httpx.MockTransport(handler_for(role))).role() == role
+    api = SpillwayApi("http://cp.test", "k", transport=httpx.MockTransport(handler))
+    assert api.whoami() == {"kind": "key", "id": "k1", "name": "ops-viewer", "role": "viewer"}
+    assert seen == [("GET", "/api/v1/whoami")]  # no write tried to find the role out
 
 
 def test_rule_now_says_what_the_rule_does_on_each_agent() -> None:
@@ -133,7 +133,7 @@ def test_ladder_shows_each_rung_in_force_who_put_it_there_and_who_could() -> Non
         "models": {"mlp": {"variant": 2, "shed": {"at_or_below": 3, "retry_after_s": 5}}},
         "causes": [{"name": "lite", "action": "switch_variant"}, {"name": "shed", "action": "shed"}],
     }
-    rules = [
+    rules: list[dict[str, Any]] = [
         {"name": "lite", "action": {"kind": "switch_variant"}, "selector": {"labels": {"site": "b"}}},
         {"name": "other-site", "action": {"kind": "fallback"}, "selector": {"labels": {"site": "x"}}},
         {"name": "dry", "action": {"kind": "fallback"}, "selector": {}, "dry_run": True},
@@ -145,7 +145,7 @@ def test_ladder_shows_each_rung_in_force_who_put_it_there_and_who_could() -> Non
                                             "now": "mlp: variant 2", "by rules": "lite",
                                             "rules that can take it": "lite"}  # fmt: skip
     assert rows["shed low priorities"]["now"] == "mlp: priority ≥ 3 refused"
-    assert rows["serve fallbacks"]["rules that can take it"] == "-"  # another site's, and a dry run's
+    assert rows["serve fallbacks"]["rules that can take it"] == fmt.DASH  # another site's, and a dry run's
     assert rows["tune batching"]["in force"] == "no" and rows["tune batching"]["rules that can take it"] == "batch"
 
 
@@ -196,7 +196,7 @@ def test_generation_rows_and_the_fleets_generative_figures() -> None:
     row = generation_rows([entry])[0]
     assert (row["TTFT p99 ms"], row["TPOT p50 ms"], row["KV-cache use"]) == (450.0, 18.0, "75% (48 / 64 blocks)")
     assert (row["preemptions/min"], row["active streams"], row["outcomes"]) == (0.6, 5.0, "local 75%, overflow 25%")
-    assert generation_rows([quiet])[0]["KV-cache use"] == "-"
+    assert generation_rows([quiet])[0]["KV-cache use"] == fmt.DASH
     metrics = {"generation": [entry, quiet]}
     assert (worst_ttft_p99(metrics), tokens_out_per_s(metrics)) == (450.0, 32.0)
     assert worst_ttft_p99({"traffic": []}) is None and tokens_out_per_s(None) is None  # no generative model
@@ -211,7 +211,7 @@ def test_slo_kinds_and_burn_rates_in_words() -> None:
         {"long": "6h", "short": "30m", "threshold": 6.0, "long_burn_rate": 7.5, "short_burn_rate": 9.0},
     ]
     assert burn_text(alerts) == "7.5x / 9x over 6h/30m (fires at 6x)"  # both windows over: the pair that fires
-    assert burn_text([]) == "-"
+    assert burn_text([]) == fmt.DASH
 
 
 def test_overflow_in_words_for_each_mode_and_in_a_policy() -> None:
@@ -302,7 +302,7 @@ def test_gateway_state_as_a_bare_list_or_missing() -> None:
     assert backend_state({"ejected": True}, NOW) == "ejected"
     row = gateway_rows(GatewayView([{"id": "x", "name": "bare", "requests": 0}]), [], NOW)[0]
     shown = (row["state"], row["error rate"], row["in flight / cap"], row["last error"])
-    assert shown == ("healthy", "-", "- / -", "-")
+    assert shown == ("healthy", fmt.DASH, f"{fmt.DASH} / {fmt.DASH}", fmt.DASH)
 
 
 def test_agent_state_and_slowest_p99() -> None:
@@ -356,15 +356,6 @@ def test_form_parsing_reports_mistakes_per_field() -> None:
         parse_sizes("4,eight")
 
 
-def test_sample_log_keeps_a_bounded_history_in_long_form() -> None:
-    log = SampleLog(maxlen=2)
-    for minute in range(3):
-        log.add({"p99": float(minute), "gone": None}, at=datetime(2026, 11, 30, 12, minute, tzinfo=timezone.utc))
-    frame = log.long()
-    assert len(log) == 2
-    assert list(frame["value"]) == [1.0, 2.0] and set(frame["series"]) == {"p99"}
-
-
 def test_the_dashboard_process_gets_the_key_in_its_environment_never_its_command_line() -> None:
     command = streamlit_command(8599)
     assert "spk_secret" not in " ".join(command)
@@ -393,3 +384,127 @@ def test_spillway_dashboard_refuses_to_start_without_a_key(monkeypatch: pytest.M
     result = CliRunner().invoke(app, ["dashboard", "--api", "http://127.0.0.1:8400"])
     assert result.exit_code == 2
     assert "SPILLWAY_API_KEY" in result.output
+
+
+def test_numbers_percentages_and_shares_read_as_people_write_them() -> None:
+    assert [fmt.number(v) for v in (78.1879, 136.96, 945.0, 945, 12345.6, 2.756, 1.5, 0.0123, 0.87, 0.0, -3.25)] == [
+        "78.2", "137", "945", "945", "12,346", "2.76", "1.5", "0.012", "0.87", "0", "-3.25"]  # fmt: skip
+    assert fmt.number(None) == fmt.number(float("nan")) == fmt.DASH == "\u2013"  # an en dash, never None or NaN
+    assert fmt.number("text") == "text" and fmt.number(True) == "True"
+    assert [fmt.percent(v) for v in (99.5, 99.0, 99.95, 99.9996, 100.0, None)] == [
+        "99.5 %", "99 %", "99.95 %", "99.9996 %", "100 %", fmt.DASH]  # fmt: skip
+    assert [fmt.ratio_percent(v, 1) for v in (-5.897, 0.4, 0.99512)] == ["-589.7 %", "40 %", "99.5 %"]
+    assert fmt.ratio_percent(0.99512) == "99.51 %"
+    assert [fmt.share(v) for v in (0.953, 0.001, 0.0, None)] == ["95%", "<1%", "0%", fmt.DASH]
+    assert [fmt.duration(s) for s in (45, 720, 5400, 2 * 86400)] == ["45 s", "12 min", "1.5 h", "2 d"]
+    assert (fmt.seconds("28d"), fmt.seconds("1h30m"), fmt.seconds("soon")) == (28 * 86400, 5400, 0)
+
+
+def test_a_table_keeps_its_numbers_and_shows_them_formatted() -> None:
+    styled = fmt.table([{"p99 ms": 78.1879, "requests": 945.0, "TTFT p99 ms": None, "model": "mlp"}])
+    assert styled.data.loc[0, "p99 ms"] == 78.1879  # sorts as a number
+    shown = styled.to_html()
+    assert "78.2" in shown and ">945<" in shown and fmt.DASH in shown and "None" not in shown and "nan" not in shown
+
+
+def test_event_kinds_in_words_old_and_new_dry_run_names_alike() -> None:
+    assert fmt.event_kind("rule.fired") == "rule fired"
+    assert fmt.event_kind("rule.refired") == "rule fired again"
+    assert fmt.event_kind("rule.would_fire") == fmt.event_kind("rule.would_fired") == "rule would fire (dry run)"
+    assert fmt.event_kind("rule.would_recover") == fmt.event_kind("rule.would_recovered") == (
+        "rule would recover (dry run)")  # fmt: skip
+    assert fmt.event_kind("rule.would_step_down") == "rule would step down (dry run)"
+    assert fmt.event_kind("policy.published") == "policy published"
+    assert fmt.event_kind("api_key.created") == "api key created"
+
+
+def test_an_slo_younger_than_its_window_says_how_much_its_figures_cover() -> None:
+    young = {"window": "28d", "observed": "12m", "observed_since": "2026-12-03T00:48:00Z"}
+    assert coverage_note(young) == "figures cover only 12 min of the 28d window"
+    assert coverage_text(young) == "12 min of 28d"
+    assert coverage_note({**young, "observed": 720}) == "figures cover only 12 min of the 28d window"  # seconds too
+    whole = {"window": "1h", "observed": "1h", "observed_since": "2026-12-02T23:00:00Z"}
+    assert coverage_note(whole) is None and coverage_text(whole) == "whole window"
+    none = {"window": "28d", "observed": None, "observed_since": None}
+    assert coverage_note(none) is None and coverage_text(none) == fmt.DASH
+    assert coverage_note({"window": "28d"}) is None  # a control plane from before `observed`
+
+
+def step(minute: int, **fields: Any) -> dict[str, Any]:
+    """A point of a recorded history answer (the design's shape), `minute` minutes past 12:00."""
+    return {"ts": f"2026-12-03T12:{minute:02d}:00Z", "requests": 0.0, "rps": 0.0, "outcomes": {}, "p50_ms": None,
+            "p95_ms": None, "p99_ms": None, "groups": [], "generation": [], "device": [], **fields}  # fmt: skip
+
+
+GROUP = {"model": "mlp", "priority": 1, "requests": 60.0, "rps": 1.0, "p50_ms": 3.0, "p95_ms": 6.0, "p99_ms": 9.0,
+         "queue_depth": 3.0}  # fmt: skip
+GEN = {"model": "tiny-lm", "streams": 12.0, "ttft_p50_ms": 40.0, "ttft_p99_ms": 90.0, "tpot_p50_ms": 8.0,
+       "tpot_p99_ms": 15.0, "tokens_out_per_s": 30.0}  # fmt: skip
+MEMORY = {"metric": "hw.gpu.memory.usage", "attributes": {"hw.id": "0"}, "last": 2.0 * 2**30, "max": 3.0 * 2**30}
+HOT = {"metric": "hw.temperature", "attributes": {"hw.id": "0"}, "last": 71.5, "max": 72.0}
+AGENT_HISTORY = [
+    step(0, requests=60.0, rps=1.0, p99_ms=9.0, groups=[GROUP], generation=[GEN], device=[MEMORY, HOT]),
+    step(1, requests=60.0, rps=1.0, p99_ms=9.5, groups=[{**GROUP, "p99_ms": 9.5}], generation=[GEN], device=[MEMORY]),
+    step(2),  # nothing reported: a gap, not zeros
+    step(3, requests=30.0, rps=0.5, p99_ms=12.0, groups=[{**GROUP, "p99_ms": 12.0, "queue_depth": None}],
+         device=[MEMORY, HOT]),
+]  # fmt: skip
+
+
+def test_an_agents_history_becomes_one_line_per_series_with_gaps_not_zeros() -> None:
+    latency = history.latency(AGENT_HISTORY)
+    p99 = latency[latency["series"] == "mlp p1 p99"]
+    assert list(p99["value"]) == [9.0, 9.5, 12.0] and list(p99["segment"]) == [1, 1, 2]  # minute 2 breaks the line
+    assert str(p99["time"].iloc[0]) == "2026-12-03 12:00:00+00:00"
+    assert set(latency["series"]) == {"mlp p1 p50", "mlp p1 p95", "mlp p1 p99"}
+    queue = history.queue_depth(AGENT_HISTORY)
+    assert list(queue["value"]) == [3.0, 3.0] and set(queue["series"]) == {"mlp p1"}  # a null reading: no point
+    memory = history.gpu_memory(AGENT_HISTORY)
+    assert list(memory["value"]) == [2.0, 2.0, 2.0] and memory["series"].iloc[0] == "hw.gpu.memory.usage hw.id=0"
+    assert list(history.temperature(AGENT_HISTORY)["segment"]) == [1, 2]  # minutes 0 and 3: two runs
+    ttft = history.generation_latency(AGENT_HISTORY)
+    assert set(ttft["series"]) == {"tiny-lm TTFT p99", "tiny-lm TPOT p99"} and len(ttft) == 4
+    assert list(history.tokens_out(AGENT_HISTORY)["value"]) == [30.0, 30.0]
+    fleet = history.fleet(AGENT_HISTORY)
+    assert list(fleet[fleet["series"] == "requests/s"]["value"]) == [1.0, 1.0, 0.0, 0.5]  # no requests: 0 per second
+    assert list(fleet[fleet["series"] == "p99 ms"]["segment"]) == [1, 1, 2]
+    assert history.latency([]).empty and list(history.latency([]).columns) == ["time", "series", "value", "segment"]
+
+
+SLO_HISTORY: dict[str, Any] = {
+    "slo": "s1", "name": "mlp-latency", "window": "1h", "step": "5m", "slo_window": "28d", "objective": 99.5,
+    "points": [
+        {"ts": "2026-12-03T12:05:00Z", "good": None, "total": None, "sli": None, "window_sli": None,
+         "budget_remaining": None, "alerts": [{"long": "1h", "short": "5m", "threshold": 14.4, "severity": "page",
+                                               "long_burn_rate": None, "short_burn_rate": None, "firing": False}]},
+        {"ts": "2026-12-03T12:10:00Z", "good": 10.0, "total": 12.0, "sli": 0.8333, "window_sli": 0.99,
+         "budget_remaining": 0.4, "alerts": [{"long": "1h", "short": "5m", "threshold": 14.4, "severity": "page",
+                                              "long_burn_rate": 2.0, "short_burn_rate": 3.1, "firing": False}]},
+        {"ts": "2026-12-03T12:15:00Z", "good": 0.0, "total": 0.0, "sli": None, "window_sli": 0.98,
+         "budget_remaining": -0.5, "alerts": [{"long": "1h", "short": "5m", "threshold": 14.4, "severity": "page",
+                                               "long_burn_rate": 2.5, "short_burn_rate": None, "firing": False}]},
+    ],
+}  # fmt: skip
+
+
+def test_an_slos_history_gives_burn_rates_with_thresholds_and_budget_over_time() -> None:
+    points = SLO_HISTORY["points"]
+    burns = history.burn_rates(points)
+    assert list(burns[burns["series"] == "1h/5m long"]["value"]) == [2.0, 2.5]
+    assert list(burns[burns["series"] == "1h/5m short"]["value"]) == [3.1]
+    assert history.thresholds(points) == {"1h/5m": 14.4}
+    budget = history.budget(points)
+    assert list(budget[budget["series"] == "budget left"]["value"]) == [0.4, -0.5]
+    assert list(budget[budget["series"] == "SLI"]["value"]) == [0.99, 0.98]
+    chart = burn_rate_history(burns, history.thresholds(points)).to_dict()
+    assert chart["layer"][0]["encoding"]["detail"]["field"] == "segment"  # a gap breaks each line
+    assert chart["usermeta"]["embedOptions"]["renderer"] == "svg"  # each point a mark in the page
+    datasets = budget_history(budget, 99.5).to_dict()["datasets"].values()
+    assert [{"y": 0.995, "what": "objective"}] in datasets  # the objective's line, as a ratio like the SLI
+
+
+def test_the_step_keeps_a_chart_within_360_points() -> None:
+    assert [history.step_for(w) for w in ("5m", "1h", "6h", "1d", "7d")] == ["1m", "1m", "1m", "5m", "1h"]
+    assert all(fmt.seconds(w) / fmt.seconds(history.step_for(w)) <= 360 for w in ("5m", "6h", "1d", "7d"))
+    # an SLO's history beyond 6 h is counted from hours: the API refuses a finer step
+    assert [history.slo_step_for(w) for w in ("1h", "6h", "1d", "7d")] == ["1m", "1m", "1h", "1h"]

@@ -18,6 +18,7 @@ import dashboards
 from controlplane.app import create_app
 from controlplane.settings import Settings
 from dashboards.api import SpillwayApi
+from dashboards.fmt import DASH
 from dashboards.views.tenants import NO_TENANT_DATA, tenant_rows
 from spillway.contract.tenants import hash_token
 from tests.conftest import make_keys
@@ -103,7 +104,7 @@ def test_the_page_lists_tenants_and_is_read_only_below_admin(open_page: Any, pla
     rows = table(at, "tenant").set_index("tenant")
     acme = rows.loc["acme"]
     assert (acme["selector"], acme["agents"], acme["weight"], acme["requests/s"], acme["max streams"]) == (
-        "site=berlin", "edge-berlin", 3.0, "50", "-")  # fmt: skip
+        "site=berlin", "edge-berlin", 3.0, "50", DASH)  # fmt: skip
     assert acme["tokens"] == 1
     assert any("editing needs **admin**" in i.value for i in at.info)
     assert button(at, "Save tenant").disabled and button(at, "Make a token").disabled
@@ -216,7 +217,7 @@ def test_per_tenant_traffic_share_and_refusals_from_the_agent_metrics(
     at = open_page("viewer")
     no_errors(at)
     rows = table(at, "share").set_index("tenant")
-    assert (rows.loc["acme", "share"], rows.loc["default", "share"]) == ("75.0%", "25.0%")
+    assert (rows.loc["acme", "share"], rows.loc["default", "share"]) == ("75 %", "25 %")
     assert (rows.loc["acme", "refused"], rows.loc["acme", "outcomes"]) == (30, "local 90%, rejected 10%")
     assert (rows.loc["acme", "p99 ms"], rows.loc["default", "requests/s"]) == (45, 0.3)
 
@@ -224,5 +225,5 @@ def test_per_tenant_traffic_share_and_refusals_from_the_agent_metrics(
 def test_tenant_rows_tolerate_missing_figures() -> None:
     rows = tenant_rows([{"tenant": "a", "requests": 1.0, "share": None}, "junk"])
     assert [(r["tenant"], r["requests"], r["share"], r["p99 ms"], r["outcomes"]) for r in rows] == [
-        ("a", 1.0, "-", None, "-")]  # fmt: skip
+        ("a", 1.0, DASH, None, DASH)]  # fmt: skip
     assert tenant_rows(None) == [] and tenant_rows({"a": {}}) == []
