@@ -131,7 +131,7 @@ def _sli_rules(slo: SloRead, labels: dict[str, str], windows: list[int]) -> list
         else:
             good, total = (f"sum_over_time(slo:sli_{which}:rate{window(base)}{_selector(base_labels)}"
                            f"[{window(seconds)}])" for which in ("good", "total"))  # fmt: skip
-            expr = f"1 - ({good} / {total})"
+            expr = f"1 - ({good} / ({total} > 0))"
         rules.append({"record": f"slo:sli_error:ratio_rate{window(seconds)}", "expr": expr,
                       "labels": {**labels, WINDOW: window(seconds)}})  # fmt: skip
     budget = _budget(slo.objective)

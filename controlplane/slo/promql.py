@@ -74,8 +74,11 @@ class SliQuery:
     total: str
 
     def rate(self, which: str, seconds: int) -> str:
-        selector = self.good if which == "good" else self.total
-        return f"sum(rate({selector}[{window(seconds)}]))"
+        """Events per second over a window. The good rate is 0, not absent, where only bad events exist (an agent
+        that has refused every request has no good series at all): else a total outage would burn nothing."""
+        if which == "good":
+            return f"(sum(rate({self.good}[{window(seconds)}])) or vector(0))"
+        return f"sum(rate({self.total}[{window(seconds)}]))"
 
     def error_ratio(self, seconds: int) -> str:
         """Bad / total over a window; no value (not 0, not NaN) where there was no traffic: a window without events

@@ -94,7 +94,7 @@ def test_long_windows_sum_the_recorded_base_rates() -> None:
     assert "slo:sli_good:rate5m" in exprs and "slo:sli_total:rate5m" in exprs
     assert exprs["slo:sli_error:ratio_rate28d"].startswith("1 - (sum_over_time(slo:sli_good:rate5m{")
     assert 28 * 86400 > RAW_LIMIT_S >= 4032 * 60  # the default pairs' longest window (2.8 days) stays raw
-    assert exprs["slo:sli_error:ratio_rate4032m"].startswith("1 - (sum(rate(spillway_requests_total{")
+    assert exprs["slo:sli_error:ratio_rate4032m"].startswith("1 - ((sum(rate(spillway_requests_total{")
     (short,) = rule_groups([slo("s2", name="b", sli_kind="availability", objective=99.5, window="1d")])["groups"]
     assert not any(rule.get("record", "").startswith("slo:sli_good") for rule in short["rules"])
 
@@ -111,6 +111,9 @@ SCENARIO = [
         alert_windows=pairs(("1h", "5m", 14.4, "page"), ("6h", "30m", 6, "ticket"))),
     # slow: 10 % of the local requests over 50 ms (the overflowed ones do not count), a burn rate of 2: a ticket.
     slo("c", name="slow", sli_kind="latency", threshold_ms=50, objective=95, window="1d", selector={"model": "mlp"}),
+    # outage: every request refused, so no good series exists at all: a burn rate of 100, both alerts fire.
+    slo("d", name="outage", sli_kind="availability", objective=99, window="4d", selector={"model": "down"},
+        alert_windows=pairs(("1h", "5m", 14.4, "page"), ("6h", "30m", 6, "ticket"))),
 ]  # fmt: skip
 
 
@@ -139,6 +142,7 @@ SERIES: dict[str, list[float]] = {
     requests("mlp", "error"): steady(20),
     requests("blip", "local"): steady(100),
     requests("blip", "rejected"): last_minutes(5, 100),
+    requests("down", "rejected"): steady(50),
     durations("bucket", "local", le_value(0.05)): steady(90),
     durations("count", "local"): steady(100),
     durations("count", "overflow"): steady(50),  # not served locally: not in a latency SLI
@@ -149,6 +153,7 @@ COUNTED = {
           [requests("mlp", outcome) for outcome in ("local", "overflow", "error")]),
     "b": ([requests("blip", "local")], [requests("blip", "local"), requests("blip", "rejected")]),
     "c": ([durations("bucket", "local", le_value(0.05))], [durations("count", "local")]),
+    "d": ([], [requests("down", "rejected")]),
 }  # fmt: skip
 
 
@@ -213,9 +218,11 @@ def unit_tests(rules: dict[str, Any]) -> dict[str, Any]:
                       "spillway_burn_rate_threshold": f"{pair.burn_rate:g}"}  # fmt: skip
             annotations = {k: render(v, labels, long) for k, v in alerts[pair.severity]["annotations"].items()}
             expected_alerts.append({"exp_labels": labels, "exp_annotations": annotations})
-    # The scenario is what it claims: both of burning's alerts fire, nothing of blip's (its short windows do burn).
+    # The scenario is what it claims: both of burning's and outage's alerts fire, nothing of blip's (its short windows
+    # do burn).
     assert sorted((a["exp_labels"]["spillway_slo"], a["exp_labels"]["severity"]) for a in expected_alerts) == [
-        ("burning", "page"), ("burning", "ticket"), ("slow", "ticket")]  # fmt: skip
+        ("burning", "page"), ("burning", "ticket"), ("outage", "page"), ("outage", "ticket"),
+        ("slow", "ticket")]  # fmt: skip
     blip_short = maths.burn_rate(counts("b", 300), 99)
     assert blip_short is not None and blip_short > 14.4
     exprs = [{"expr": expr, "eval_time": f"{MINUTES}m", "exp_samples": [{"labels": _result_labels(expr), "value": 1}]}
