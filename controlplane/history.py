@@ -93,9 +93,13 @@ class Steps:
             raise ValidationFailed.field(
                 "query.step", f"gives {count} points over the window, at most {MAX_POINTS}: use at least {least // 60}m"
             )
-        if min_step_beyond is not None and window > min_step_beyond[0] and step < min_step_beyond[1]:
+        if (
+            min_step_beyond is not None
+            and window > min_step_beyond[0]
+            and (step < min_step_beyond[1] or step % min_step_beyond[1])
+        ):
             raise ValidationFailed.field(
-                "query.step", f"must be at least {min_step_beyond[1] // 60}m for a window longer than "
+                "query.step", f"must be a whole number of {min_step_beyond[1] // 60}m for a window longer than "
                 f"{min_step_beyond[0] // 3600}h"
             )  # fmt: skip
         return cls(window, step, count, epoch_minute(now))

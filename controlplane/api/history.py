@@ -67,7 +67,7 @@ class DevicePoint(BaseModel):
 class FleetPoint(BaseModel):
     ts: datetime = Field(description="the start of the step")
     requests: float = Field(description="0 in a step without data")
-    rps: float = Field(description="over the step (the part of it gone by, for the last)")
+    rps: float = Field(description="requests / the whole step (the current minute counted whole)")
     outcomes: dict[str, float]
     p50_ms: float | None = Field(description="of requests served locally; null without any")
     p95_ms: float | None
@@ -94,6 +94,13 @@ class AgentHistory(FleetHistory):
     points: list[AgentPoint]  # type: ignore[assignment]
 
 
+class AlertPoint(AlertStatus):
+    long_burn_rate: float | None = Field(description="null without events, or where the window is shorter than an "
+                                         "hour and older than the six hours kept by the minute")  # fmt: skip
+    short_burn_rate: float | None
+    firing: bool | None = Field(description="null where a window of the pair cannot be counted (see the rates)")
+
+
 class SloPoint(BaseModel):
     ts: datetime = Field(description="the end of the step (now, for the last)")
     good: float = Field(description="events within the step")
@@ -101,7 +108,7 @@ class SloPoint(BaseModel):
     sli: float | None = Field(description="good / total within the step; null without events")
     window_sli: float | None = Field(description="over the SLO window ending at ts")
     budget_remaining: float | None = Field(description="of the SLO window ending at ts")
-    alerts: list[AlertStatus] = Field(description="each pair's burn rates over its windows ending at ts")
+    alerts: list[AlertPoint] = Field(description="each pair's burn rates over its windows ending at ts")
 
 
 class SloHistory(BaseModel):
@@ -147,7 +154,9 @@ def history_of_slo(item_id: str, request: Request, session: SessionDep, settings
             break
     if counts is None:
         raise NotFound(f"no SLO with id '{item_id}'")
-    steps = replace(steps, last=counts.latest)
+    # Beyond the minutes kept, the counts are whole hours: steps then end on whole hours (the last one holds now).
+    align = 60 if steps.window > FINE_MINUTES * 60 else 1
+    steps = replace(steps, last=counts.latest // align * align + align - 1)
     spec = counts.spec
     return {"slo": spec.id, "name": spec.name, "window": steps.window, "step": steps.step, "slo_window": spec.window,
             "objective": spec.objective, "points": slo_history(session, counts, steps, now)}  # fmt: skip

@@ -2,7 +2,9 @@
 alert pair's burn rates as the status would have said them at the step's end.
 
 Counted from the evaluator's in-memory windows (`SloWindows.counts`): exact from the minutes of the last six hours,
-from whole hours beyond (so a history longer than six hours takes steps of at least an hour). Hours a window reaches
+from whole hours beyond (so a history longer than six hours takes steps of whole hours, ending on whole hours, and a
+window shorter than an hour that reaches back beyond the six hours cannot be counted: its burn rate and whether its
+pair fires are null there). Hours a window reaches
 back to that the evaluator does not keep (an SLO window's far edge, some days ago) are read from the minute rollups
 here, once per answer, at hour resolution.
 """
@@ -18,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from controlplane.history import Steps, epoch_minute, minute_start
 from controlplane.query import RollupReader
-from controlplane.slo.maths import budget_remaining, burn_rate, firing, sli
+from controlplane.slo.maths import Counts, budget_remaining, burn_rate, firing, sli
 from controlplane.slo.windows import FINE_MINUTES, SloCounts, minutes_of
 
 MIN_LONG_STEP_S = 3600
@@ -62,15 +64,17 @@ def slo_history(session: Session, counts: SloCounts, steps: Steps, now: datetime
     for index in range(steps.count):
         first = steps.start(index)
         last = first + steps.minutes - 1
-        step, window = counts.between(first, last), counts.window(spec.window, last)
+        step = counts.between(first, last)
+        window = counts.window(spec.window, last) if counts.countable(spec.window, last) else Counts()
         alerts = []
         for pair in spec.alerts:
-            long = burn_rate(counts.window(pair["long"], last), spec.objective)
-            short = burn_rate(counts.window(pair["short"], last), spec.objective)
+            known = counts.countable(pair["long"], last) and counts.countable(pair["short"], last)
+            long, short = (burn_rate(counts.window(pair[w], last), spec.objective)
+                           if counts.countable(pair[w], last) else None for w in ("long", "short"))  # fmt: skip
             alerts.append({
                 "long": pair["long"], "short": pair["short"], "threshold": pair["burn_rate"],
                 "severity": pair.get("severity", "page"), "long_burn_rate": long, "short_burn_rate": short,
-                "firing": firing(long, short, pair["burn_rate"]),
+                "firing": firing(long, short, pair["burn_rate"]) if known else None,
             })  # fmt: skip
         points.append({
             "ts": min(minute_start(last + 1), now), "good": step.good, "total": step.total, "sli": sli(step),

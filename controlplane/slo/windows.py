@@ -385,6 +385,13 @@ class SloCounts:
                     good, total = good - float(kept[0]), total - float(kept[1])
         return Counts(good, total)
 
+    def countable(self, seconds: int, last: int) -> bool:
+        """Whether `window(seconds, last)` is counted at all: a window shorter than six hours that reaches before the
+        minutes kept is counted from the hours starting inside it, which is nothing like it unless it is whole hours
+        (a 5-minute window a day ago holds no hour start)."""
+        minutes = minutes_of(seconds)
+        return minutes > FINE_MINUTES or last - minutes + 1 >= self.first_minute or minutes % 60 == 0
+
     def window(self, seconds: int, last: int) -> Counts:
         """The counts of a window of `seconds` ending with minute `last`, as the status counts it: whole minutes up
         to six hours, else whole hours (the one holding `last` up to `last`)."""

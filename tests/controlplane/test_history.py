@@ -17,7 +17,7 @@ from controlplane.db import make_engine, make_sessionmaker
 from controlplane.db.models import Slo, utcnow
 from controlplane.history import Steps
 from controlplane.slo.history import slo_history
-from controlplane.slo.windows import Evaluation, SloWindows
+from controlplane.slo.windows import Evaluation, SloWindows, epoch_minute
 from spillway.contract.names import QUEUE_DEPTH
 from tests.conftest import Api
 from tests.utils.builders import make_slo
@@ -112,6 +112,39 @@ def test_slo_history_beyond_six_hours_counts_hours_and_reads_older_ones_back(fac
     assert points[-1]["ts"] == now
     assert points[-1]["alerts"][0]["short_burn_rate"] is None  # nothing in the last 5 minutes
     _same_as_status(points[-1], evaluation)
+
+
+def test_slo_history_beyond_six_hours_ends_steps_on_hours_and_leaves_uncountable_short_windows_null(
+    factory: Any,
+) -> None:
+    # 30 hours of 10 requests a minute, every one bad. Steps of an hour end on whole hours, so an old step holds its
+    # 60 minutes (not the hours that happen to start inside it); a 5-minute window older than the six hours kept by
+    # the minute cannot be counted from hours: null, not "not firing".
+    with factory() as session, session.begin():
+        add_agent(session, "a1", "berlin")
+        _slo(session, "down", 86400, [{"long": 3600, "short": 300, "burn_rate": 14.4}])
+        for i in range(30 * 60):
+            _minute(session, "a1", T0 + timedelta(minutes=i), 10, 10)
+    now = T0 + timedelta(hours=29, minutes=59, seconds=5)
+    windows = SloWindows()
+    with factory() as session:
+        counts = windows.counts(session, "down", now)
+        assert counts is not None
+        aligned = Steps(86400, 3600, 24, counts.latest // 60 * 60 + 59)
+        points = slo_history(session, counts, aligned, now)
+    assert len(points) == 24
+    kept_from = counts.first_minute
+    for point in points:
+        assert (point["good"], point["total"]) == (0, 600)
+        assert point["window_sli"] == 0.0
+        page = point["alerts"][0]
+        assert page["long_burn_rate"] == pytest.approx(100.0)
+        end = epoch_minute(point["ts"]) - 1
+        if end - 4 >= kept_from:
+            assert page["short_burn_rate"] == pytest.approx(100.0) and page["firing"] is True
+        else:
+            assert page["short_burn_rate"] is None and page["firing"] is None
+    assert sum(p["alerts"][0]["firing"] is None for p in points) == 18  # the steps older than the six hours kept
 
 
 # ---- the status's coverage ---------------------------------------------------------------------
@@ -276,5 +309,9 @@ def test_an_slo_chart_over_half_an_hour_of_data_ends_with_its_status(sqlite_api:
     assert status["observed"] != "28d" and status["observed_since"] is not None
     long = sqlite_api.call("GET", f"/api/v1/slos/{slo}/history", params={"window": "12h", "step": "5m"})
     assert long.status_code == 422 and long.json()["details"][0]["field"] == "query.step"
-    assert sqlite_api.call("GET", f"/api/v1/slos/{slo}/history", params={"window": "12h"}).json()["step"] == "1h"
+    day = sqlite_api.call("GET", f"/api/v1/slos/{slo}/history", params={"window": "1d"}).json()
+    assert day["step"] == "1h" and len(day["points"]) == 24
+    assert all(datetime.fromisoformat(p["ts"]).minute == 0 for p in day["points"][:-1])  # steps end on whole hours
+    odd = sqlite_api.call("GET", f"/api/v1/slos/{slo}/history", params={"window": "12h", "step": "90m"})
+    assert odd.status_code == 422 and odd.json()["details"][0]["field"] == "query.step"
     assert sqlite_api.call("GET", "/api/v1/slos/nope/history").status_code == 404
