@@ -104,9 +104,9 @@ def openslo_router(kind: repo.ResourceKind[Any]) -> APIRouter:
         openapi_extra={"requestBody": {"required": True, "content": _YAML_CONTENT}},
     )  # fmt: skip
     def import_openslo(
+        who: Editor,  # first: dependencies resolve in order, and a caller without the role learns nothing of the body
         text: Annotated[str, Depends(yaml_body)],
         session: SessionDep,
-        who: Editor,
         response: Response,
         dry_run: Annotated[bool, Query(description="check everything, write nothing")] = False,
         reason: Reason = None,

@@ -6,16 +6,30 @@ No `from __future__ import annotations` here: FastAPI reads the body types from 
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Response, status
+from fastapi import APIRouter, Depends, Query, Request, Response, status
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controlplane.api.auth import Principal
 from controlplane.api.deps import IfMatch, Reason, SessionDep, actor_of
+from controlplane.api.methods import literal_paths
 from controlplane.db import repository as repo
 from controlplane.schemas.common import Page
 
 Cursor = Annotated[str | None, Query(max_length=512, description="next_cursor from the previous page")]
 Limit = Annotated[int, Query(ge=1, le=500, description="page size")]
+
+
+def not_a_literal_path(request: Request) -> None:
+    """An item route reached at another route's literal path (`DELETE /api/v1/slos/import`, which the router hands
+    to `/slos/{item_id}`): 405, listing the methods that path has, never a lookup of an SLO called "import"."""
+    if "item_id" not in request.path_params:
+        return
+    literal = getattr(request.app.state, "literal_paths", None)
+    if literal is None:
+        literal = request.app.state.literal_paths = literal_paths(request.app)
+    if request.scope["path"] in literal:
+        raise StarletteHTTPException(status.HTTP_405_METHOD_NOT_ALLOWED)
 
 
 def resource_router(
@@ -31,7 +45,7 @@ def resource_router(
 ) -> APIRouter:
     """GET list, POST, GET one, PUT, PATCH and DELETE for `kind`, with ETags and audit events; `on_change` is
     called after each committed change (the gateway reloads its backends before its next request)."""
-    router = APIRouter(prefix=f"/api/v1/{plural}", tags=[plural])
+    router = APIRouter(prefix=f"/api/v1/{plural}", tags=[plural], dependencies=[Depends(not_a_literal_path)])
     create_model = kind.create
     singular = kind.singular
 

@@ -28,6 +28,7 @@ AGENT_ONLY = {
 }  # the telemetry receiver and the gateway (V2 and OpenAI)
 READ_ONLY = {"/metrics", "/api/v1/agents/{item_id}/metrics"}  # Prometheus scrape, an agent's telemetry
 AGENT_OWN = {"/api/v1/agents/{item_id}/policy"}  # viewers, and the agent itself (tests/controlplane/test_policy_api.py)
+ANY_CALLER = {"/api/v1/whoami"}  # every authenticated caller, agents included: who it is
 
 
 def error_code(body: dict[str, Any]) -> str:
@@ -72,7 +73,7 @@ def required_role(method: str, path: str) -> str:
         return "viewer"
     if path.startswith(("/api/v1/agents", "/api/v1/tenants")):  # tenants hold tokens: admin, as keys and agents
         return "admin"
-    if re.match(r"^/api/v1/(slos|rules|backends)(/\{item_id\})?$", path):
+    if re.match(r"^/api/v1/(slos|rules|backends)(/\{item_id\})?$", path) or path == "/api/v1/slos/import":
         return "editor"
     raise AssertionError(f"{method} {path} is not in the role matrix: decide who may call it")
 
@@ -121,8 +122,9 @@ def test_role_matrix(sqlite_api: Api) -> None:
             if RANK[role] < RANK[needed]:
                 assert response.status_code == 403, (role, method, path, response.text)
                 assert needed in error_message(response.json())  # e.g. "this needs the 'editor' role", "for agents"
-            else:  # allowed: the call reaches the route (404 for the made-up ids, 422 for a clashing body, ...)
-                assert response.status_code in (200, 201, 204, 404, 409, 422), (role, method, path, response.text)
+            else:  # allowed: the call reaches the route (404 for the made-up ids, 422 for a clashing body, 415 for
+                # JSON where YAML is wanted, ...)
+                assert response.status_code in (200, 201, 204, 404, 409, 415, 422), (role, method, path, response.text)
 
 
 def test_agent_tokens_reach_no_operator_endpoint(sqlite_api: Api) -> None:
@@ -133,6 +135,9 @@ def test_agent_tokens_reach_no_operator_endpoint(sqlite_api: Api) -> None:
         response = sqlite_api.client.request(
             method, _concrete(path), headers={"Authorization": f"Bearer {token}"}, json=_body(path)
         )
+        if path in ANY_CALLER:
+            assert response.status_code == 200 and response.json()["kind"] == "agent", (method, path)
+            continue
         assert response.status_code == 403, (method, path)
         if path in AGENT_OWN:  # another agent's: refused for that reason
             assert "only its own" in response.json()["message"]
