@@ -254,12 +254,15 @@ def stop(
 
 
 def stop_all(processes: Iterable[Process], sig: int = signal.SIGTERM, grace_s: float | None = None) -> None:
-    """Stop several at once: `sig` to each in turn, then each gets its grace (SIGKILL after it)."""
+    """Stop several at once: `sig` to each, then one shared grace (the longest of theirs, or `grace_s`) counted from
+    the signals, after which those still running get SIGKILL: a few stuck processes cost one grace, not one each."""
     running = [p for p in processes if p.running]
     for process in running:
         process.send_signal(sig)
+    grace = max((p.grace_s for p in running), default=0.0) if grace_s is None else grace_s
+    deadline = time.monotonic() + grace
     for process in running:
-        process._reap(process.grace_s if grace_s is None else grace_s)
+        process._reap(max(0.0, deadline - time.monotonic()))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

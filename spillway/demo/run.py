@@ -104,7 +104,7 @@ def run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard
         _say()
         _say(f"demo stopped ({stop.reason}): control plane, agents and dashboard shut down in "
              f"{time.monotonic() - stop.at:.1f} s")  # fmt: skip
-        return 0
+        return 128 + stop.signum  # the shell's convention: 130 after Ctrl-C, 143 after SIGTERM
 
 
 def _run_demo(*, port: int, agent_port: int, data_dir: str, once: bool, dashboard_port: int) -> int:

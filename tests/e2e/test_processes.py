@@ -178,7 +178,7 @@ def test_demo_seeds_the_example_fleet_through_the_api_and_stops_on_ctrl_c(tmp_pa
         children = _children(demo.pid)
         assert len(children) >= 6, children  # the control plane, the dashboard, three agents, two clouds
         demo.send_signal(signal.SIGINT)
-        code = demo.wait(timeout=15)  # generous (CI is noisy): the point is that it ends, not how fast
+        code = demo.wait(timeout=60)  # a hang guard only: it ends (the line below says how fast), whatever CI's load
     finally:
         if demo.poll() is None:  # a failure above: the demo stops its processes on SIGTERM
             demo.terminate()
@@ -187,7 +187,7 @@ def test_demo_seeds_the_example_fleet_through_the_api_and_stops_on_ctrl_c(tmp_pa
             except subprocess.TimeoutExpired:
                 demo.kill()
     stdout, stderr = out_path.read_text(), err_path.read_text()
-    assert code == 0, stdout + stderr
+    assert code == 128 + signal.SIGINT, stdout + stderr  # the shell's convention for a program stopped by Ctrl-C
     assert re.search(r"^demo stopped \(Ctrl-C\): control plane, agents and dashboard shut down in [\d.]+ s$", stdout,
                      re.MULTILINE), stdout[-2000:] + stderr[-2000:]  # fmt: skip
     assert _gone(children) == [], children
