@@ -44,7 +44,7 @@ def number(value: Any) -> str:
             value = float(value)  # numpy scalars
         except (TypeError, ValueError):
             return str(value)
-    number_ = float(value)
+    number_ = float(value) + 0.0  # -0.0 reads "0"
     if math.isinf(number_):
         return "∞" if number_ > 0 else "-∞"
     size = abs(number_)
@@ -53,9 +53,12 @@ def number(value: Any) -> str:
     if size >= 10:
         return f"{number_:,.1f}".removesuffix(".0")
     if size >= 1:
-        return f"{number_:.2f}".rstrip("0").rstrip(".")
+        text = f"{number_:.2f}"
+        return text.rstrip("0").rstrip(".") if "." in text else text
     digits = min(6, 1 - math.floor(math.log10(size)))  # two significant digits: 0.87, 0.012
     text = f"{number_:.{digits}f}"
+    if abs(float(text)) >= 1:  # rounded up to 1 (0.99999): said as a number from 1 up
+        return number(float(text))
     return text if float(text) != 0 else "0"
 
 
@@ -74,7 +77,7 @@ def percent(value: Any, digits: int = 2) -> str:
         text = f"{value:.1f}"
     if "." in text:
         text = text.rstrip("0").rstrip(".")
-    return f"{text} %"
+    return f"{'0' if float(text) == 0 else text} %"  # -0.0001 % reads 0 %
 
 
 def ratio_percent(value: Any, digits: int = 2) -> str:

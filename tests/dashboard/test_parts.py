@@ -391,6 +391,8 @@ def test_numbers_percentages_and_shares_read_as_people_write_them() -> None:
         "78.2", "137", "945", "945", "12,346", "2.76", "1.5", "0.012", "0.87", "0", "-3.25"]  # fmt: skip
     assert fmt.number(None) == fmt.number(float("nan")) == fmt.DASH == "\u2013"  # an en dash, never None or NaN
     assert fmt.number("text") == "text" and fmt.number(True) == "True"
+    assert [fmt.number(v) for v in (-0.0, 0.99999, -0.99999)] == ["0", "1", "-1"]  # no "-0", no "1.00"
+    assert fmt.percent(-0.0001) == "0 %"
     assert [fmt.percent(v) for v in (99.5, 99.0, 99.95, 99.9996, 100.0, None)] == [
         "99.5 %", "99 %", "99.95 %", "99.9996 %", "100 %", fmt.DASH]  # fmt: skip
     assert [fmt.ratio_percent(v, 1) for v in (-5.897, 0.4, 0.99512)] == ["-589.7 %", "40 %", "99.5 %"]
