@@ -67,8 +67,9 @@ class Steps:
     @classmethod
     def of(cls, window_s: int | None, step_s: int | None, now: datetime, *, min_step_beyond: tuple[int, int] | None
            = None) -> Steps:  # fmt: skip
-        """The steps of a window ending now, checked: a window of 1m..7d (default 1h), a step of whole minutes
-        (default: the smallest of 1m, 5m, 15m, 1h, 6h giving at most 360 points) and at most 720 points.
+        """The steps of a window ending now, checked: a window of 1m..7d (default 1h), a step of whole minutes that
+        divides it (default: the smallest of 1m, 5m, 15m, 1h, 6h giving at most 360 points, the window then grown to
+        whole steps, as the answer's `window` says) and at most 720 points.
         `min_step_beyond` (seconds, step): windows longer than the first need a step of at least the second.
 
         Raises:
@@ -87,7 +88,9 @@ class Steps:
                 raise ValidationFailed.field("query.step", "must be whole minutes, at least 1m")
         if step > window:
             raise ValidationFailed.field("query.step", "must be at most the window")
-        count = math.ceil(window / step)
+        if step_s is not None and window % step:
+            raise ValidationFailed.field("query.step", "must divide the window into whole steps (1h by 7m does not)")
+        count = math.ceil(window / step)  # a default step that does not divide the window: it grows to whole steps
         if count > MAX_POINTS:
             least = math.ceil(window / MAX_POINTS / 60) * 60
             raise ValidationFailed.field(
@@ -102,7 +105,7 @@ class Steps:
                 "query.step", f"must be a whole number of {min_step_beyond[1] // 60}m for a window longer than "
                 f"{min_step_beyond[0] // 3600}h"
             )  # fmt: skip
-        return cls(window, step, count, epoch_minute(now))
+        return cls(count * step, step, count, epoch_minute(now))
 
     @property
     def minutes(self) -> int:

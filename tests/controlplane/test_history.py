@@ -264,11 +264,14 @@ def test_history_bounds_and_defaults(sqlite_api: Api) -> None:
         add_agent(session, "a1", "berlin")
     default = sqlite_api.call("GET", "/api/v1/agents/a1/metrics/history").json()
     assert (default["window"], default["step"], len(default["points"])) == ("1h", "1m", 60)
+    odd = sqlite_api.call("GET", "/api/v1/metrics/history", params={"window": "361m"}).json()
+    assert (odd["window"], odd["step"], len(odd["points"])) == ("365m", "5m", 73)  # grown to whole default steps
     week = sqlite_api.call("GET", "/api/v1/metrics/history", params={"window": "7d"}).json()
     assert (week["step"], len(week["points"])) == ("1h", 168)
     refused = {
         ("7d", "1m"): "query.step", ("1h", "90s"): "query.step", ("1h", "0"): "query.step",
         ("8d", None): "query.window", ("30s", None): "query.window", ("1h", "2h"): "query.step",
+        ("1h", "7m"): "query.step",
     }  # fmt: skip
     for (window, step), field in refused.items():
         params = {"window": window, **({"step": step} if step else {})}
