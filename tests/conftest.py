@@ -161,6 +161,7 @@ def telemetry_for(plane: Plane, agent_id: str | None = None) -> AgentTelemetry:
     settings = TelemetrySettings(
         agent_id=agent_id or plane.agent_id, control_plane=plane.url, agent_token=plane.token,
         export_interval_s=3600, latency_buckets_ms=(10.0, 100.0),
+        export_timeout_s=30,  # a busy CI machine: the one export these tests count must not time out
     )  # fmt: skip
     return AgentTelemetry(settings, probes=False)
 

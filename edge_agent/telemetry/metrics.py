@@ -70,6 +70,7 @@ class AgentTelemetry:
             views.append(View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(bounds)))
         exporters = otlp_exporters(settings) if readers is None else []
         self.reader = SharedReader(exporters, settings.export_interval_s, settings.export_timeout_s)
+        self._export_timeout_s = settings.export_timeout_s
         self.exposition = PrometheusExposition(self.reader.snapshot)
         self.provider = MeterProvider(resource=resource_for(settings), metric_readers=[self.reader, *(readers or ())],
                                       views=views)  # fmt: skip
@@ -157,13 +158,16 @@ class AgentTelemetry:
         """`GET /metrics`: the Prometheus text of every instrument now, and its content type."""
         return self.exposition.text()
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Flush once and stop; bounded, and safe to call twice."""
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Flush once and stop; bounded (by default by the export timeout and a second: the last export gets the time
+        any export gets), and safe to call twice."""
         if self._closed:
             return
         self._closed = True
         try:
-            self.provider.shutdown(timeout_millis=timeout_s * 1000)
+            self.provider.shutdown(
+                timeout_millis=(self._export_timeout_s + 1 if timeout_s is None else timeout_s) * 1000
+            )
             self.exposition.close()
         except Exception:  # telemetry never takes the host down
             log.warning("telemetry shutdown failed", exc_info=True)
