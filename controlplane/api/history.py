@@ -1,6 +1,9 @@
 """History for charts: an agent's and the fleet's telemetry per step (`/agents/{id}/metrics/history`,
 `/metrics/history`), and an SLO's events, SLI, budget left and burn rates per step (`/slos/{id}/history`)."""
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import datetime
 from typing import Annotated, Any
@@ -12,13 +15,31 @@ from controlplane.api.agent_metrics import TenantFilter, _seconds_in_query
 from controlplane.api.deps import SessionDep, SettingsDep, Viewer
 from controlplane.api.slo_status import AlertStatus
 from controlplane.db.models import Slo, utcnow
-from controlplane.errors import NotFound
+from controlplane.errors import NotFound, Overloaded
 from controlplane.history import Steps, metrics_history
 from controlplane.schemas.common import Duration
 from controlplane.slo.history import MIN_LONG_STEP_S, slo_history
 from controlplane.slo.windows import FINE_MINUTES, SloWindows
 
 router = APIRouter(prefix="/api/v1", tags=["history"])
+
+HEAVY_AT_ONCE = 2
+"""Histories computed at once per process: a fleet's week reads every rollup of every agent in it, so a few viewers
+(or one dashboard left refreshing in many tabs) must not take every thread of the API. Others wait their turn."""
+HEAVY_WAIT_S = 20.0  # then 503 overloaded, Retry-After
+_heavy = threading.BoundedSemaphore(HEAVY_AT_ONCE)
+
+
+@contextmanager
+def _turn() -> Iterator[None]:
+    if not _heavy.acquire(timeout=HEAVY_WAIT_S):
+        raise Overloaded(f"{HEAVY_AT_ONCE} histories are being computed; try again shortly",
+                         details={"retry_after_s": 5})  # fmt: skip
+    try:
+        yield
+    finally:
+        _heavy.release()
+
 
 _SPAN_SCHEMA = {
     "anyOf": [
@@ -127,7 +148,8 @@ def agent_history(item_id: str, session: SessionDep, _: Viewer, window: WindowPa
                   model: ModelFilter = None, tenant: TenantFilter = None) -> Any:  # fmt: skip
     now = utcnow()
     steps = Steps.of(window, step, now)
-    return metrics_history(session, steps, agent=item_id, now=now, model=model, tenant=tenant)
+    with _turn():
+        return metrics_history(session, steps, agent=item_id, now=now, model=model, tenant=tenant)
 
 
 @router.get("/metrics/history", response_model=FleetHistory, summary="The fleet's telemetry per step, agents summed")
@@ -135,7 +157,8 @@ def fleet_history(session: SessionDep, _: Viewer, window: WindowParam = None, st
                   model: ModelFilter = None, tenant: TenantFilter = None) -> Any:  # fmt: skip
     now = utcnow()
     steps = Steps.of(window, step, now)
-    return metrics_history(session, steps, agent=None, now=now, model=model, tenant=tenant)
+    with _turn():
+        return metrics_history(session, steps, agent=None, now=now, model=model, tenant=tenant)
 
 
 @router.get("/slos/{item_id}/history", response_model=SloHistory, tags=["slos"],
@@ -158,5 +181,7 @@ def history_of_slo(item_id: str, request: Request, session: SessionDep, settings
     align = 60 if steps.window > FINE_MINUTES * 60 else 1
     steps = replace(steps, last=counts.latest // align * align + align - 1)
     spec = counts.spec
+    with _turn():
+        points = slo_history(session, counts, steps, now)
     return {"slo": spec.id, "name": spec.name, "window": steps.window, "step": steps.step, "slo_window": spec.window,
-            "objective": spec.objective, "points": slo_history(session, counts, steps, now)}  # fmt: skip
+            "objective": spec.objective, "points": points}  # fmt: skip

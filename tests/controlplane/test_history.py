@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session
 
+from controlplane.api import history as history_api
 from controlplane.db import make_engine, make_sessionmaker
 from controlplane.db.models import Slo, utcnow
 from controlplane.history import Steps
@@ -318,3 +319,21 @@ def test_an_slo_chart_over_half_an_hour_of_data_ends_with_its_status(sqlite_api:
     odd = sqlite_api.call("GET", f"/api/v1/slos/{slo}/history", params={"window": "12h", "step": "90m"})
     assert odd.status_code == 422 and odd.json()["details"][0]["field"] == "query.step"
     assert sqlite_api.call("GET", "/api/v1/slos/nope/history").status_code == 404
+
+
+def test_histories_take_turns_and_a_caller_kept_waiting_too_long_is_told_to_retry(
+    sqlite_api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with _db(sqlite_api) as session:
+        add_agent(session, "a1", "berlin")
+    monkeypatch.setattr(history_api, "HEAVY_WAIT_S", 0.05)
+    held = [history_api._heavy.acquire(timeout=5) for _ in range(history_api.HEAVY_AT_ONCE)]
+    try:
+        assert all(held)
+        busy = sqlite_api.call("GET", "/api/v1/metrics/history", role="viewer")
+        assert busy.status_code == 503 and busy.json()["error"] == "overloaded", busy.text
+        assert busy.headers["retry-after"] == "5"
+    finally:
+        for _ in held:
+            history_api._heavy.release()
+    assert sqlite_api.call("GET", "/api/v1/metrics/history", role="viewer").status_code == 200
