@@ -315,3 +315,12 @@ def test_import_and_export_on_postgresql(postgres_url: str) -> None:
         assert _post_yaml(api, text).json()["slos"][0]["result"] == "unchanged"
         exported = api.call("GET", "/api/v1/slos/openslo", role="viewer").text
         assert openslo.parse(exported)[0].slo == SloCreate.model_validate(ROUND_TRIPS["latency"])
+
+
+def test_the_example_file_is_valid_openslo_and_imports(shared: Api) -> None:
+    text = (Path(__file__).resolve().parents[2] / "examples" / "openslo.yaml").read_text()
+    assert [d["kind"] for d in assert_valid_openslo(text)] == ["SLO", "SLO"]
+    checked = _post_yaml(shared, text, dry_run="true")
+    assert checked.status_code == 200, checked.text  # a dry run creates nothing
+    assert [(s["name"], s["result"]) for s in checked.json()["slos"]] == [
+        ("mlp-latency", "created"), ("tiny-lm-ttft", "created")]  # fmt: skip
