@@ -85,17 +85,19 @@ def create_runner(
     device_id: int = 0,
     spin: bool = False,
     state_dir: Path | None = None,
+    memory_checked: bool = False,
 ) -> ModelRunner:
     """One instance of `version` on the runner its platform needs: a TensorRT plan on the native TensorRT runner (on
     GPU `device_id`; `providers` and the thread settings do not apply), anything else on onnxruntime (`OrtRunner`).
-    `state_dir`: the agent's, where the TensorRT execution provider keeps its engines."""
+    `state_dir`: the agent's, where the TensorRT execution provider keeps its engines. `memory_checked`: the agent's
+    memory guard has checked the load against free memory (`OrtRunner`)."""
     if version.config.platform == TENSORRT_PLATFORM:
         from edge_agent.runtime.tensorrt_runner import TensorRTRunner
 
         return TensorRTRunner(version, device_id=device_id, gpu_mem_limit=gpu_mem_limit)
     return OrtRunner(version, intra_op_threads=intra_op_threads, inter_op_threads=inter_op_threads,
                      providers=providers, gpu_mem_limit=gpu_mem_limit, device_id=device_id, spin=spin,
-                     state_dir=state_dir)  # fmt: skip
+                     state_dir=state_dir, memory_checked=memory_checked)  # fmt: skip
 
 
 class ModelRunner:
@@ -169,10 +171,12 @@ class ModelRunner:
         return ComputeProfile(measured, alpha=alpha)
 
 
-def check_gpu_memory(version: ModelVersion, gpu_mem_limit: int | None, device_id: int) -> None:
-    """Refuse (GpuMemoryError) a version whose files alone exceed its `gpu_mem_limit` (the agent's memory guard has
-    checked the finer need: measured at an earlier load, or estimated), or whose files times GPU_LOAD_FACTOR exceed
-    the memory free on GPU `device_id` (where NVML can tell)."""
+def check_gpu_memory(version: ModelVersion, gpu_mem_limit: int | None, device_id: int, *,
+                     free_memory: bool = True) -> None:  # fmt: skip
+    """Refuse (GpuMemoryError) a version whose files alone exceed its `gpu_mem_limit`, or (with `free_memory`) whose
+    files times GPU_LOAD_FACTOR exceed the memory free on GPU `device_id` (where NVML can tell). The agent's memory
+    guard checks the finer need (measured at an earlier load, or estimated) on every device before a load: a runner
+    it placed skips the free-memory estimate, which would count the instances loaded before it twice."""
     version_dir = version.path.parent
     model_bytes = sum(entry.stat().st_size for entry in version_dir.iterdir() if entry.is_file())
     if gpu_mem_limit is not None and model_bytes > gpu_mem_limit:
@@ -180,7 +184,8 @@ def check_gpu_memory(version: ModelVersion, gpu_mem_limit: int | None, device_id
             f"{version.path}: its files alone take {model_bytes / gpu.MiB:.0f} MiB, more than its "
             f"gpu_mem_limit of {gpu_mem_limit / gpu.MiB:.0f} MiB"
         )
-    gpu.check_fits(int(model_bytes * GPU_LOAD_FACTOR), device_id)
+    if free_memory:
+        gpu.check_fits(int(model_bytes * GPU_LOAD_FACTOR), device_id)
 
 
 class OrtRunner(ModelRunner):
@@ -197,6 +202,7 @@ class OrtRunner(ModelRunner):
         device_id: int = 0,
         spin: bool = False,
         state_dir: Path | None = None,
+        memory_checked: bool = False,
     ) -> None:
         """Args:
         version: the model version to load (platform onnxruntime_onnx).
@@ -207,6 +213,8 @@ class OrtRunner(ModelRunner):
         spin: let idle intra-op threads spin; faster hand-offs, but it burns cores that a small device lacks.
         state_dir: the agent's; the TensorRT execution provider's engines go to a folder of it (default: the agent's
             default state directory).
+        memory_checked: the agent's memory guard has checked this load against the device's free memory; only the
+            cap is checked here.
         """
         import onnxruntime as ort
 
@@ -222,7 +230,7 @@ class OrtRunner(ModelRunner):
             tensorrt = tensorrt_accelerator(read_config_message(version.config), version.config.source)
             cache_dir = engine_cache_dir(version, tensorrt, state_dir)
         if on_gpu:
-            check_gpu_memory(version, gpu_mem_limit, device_id)
+            check_gpu_memory(version, gpu_mem_limit, device_id, free_memory=not memory_checked)
         try:
             self._session = ort.InferenceSession(
                 str(version.path),

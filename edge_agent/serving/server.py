@@ -97,7 +97,7 @@ def load_model(version: ModelVersion, agent: AgentConfig, memory: MemoryGuard | 
                 runners.append(create_runner(version, intra_op_threads=threads,
                                              inter_op_threads=agent.inter_op_threads, providers=agent.providers,
                                              gpu_mem_limit=need.cap, device_id=device,
-                                             state_dir=agent.state_dir))  # fmt: skip
+                                             state_dir=agent.state_dir, memory_checked=True))  # fmt: skip
             except RunnerError as exc:
                 field = pinning_field(message, count, index) if on_gpu else None
                 if field is None:

@@ -26,6 +26,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoi
 from edge_agent.config import AgentConfig, GenerationSettings
 from edge_agent.generation.load import load_engine
 from edge_agent.runtime import gpu
+from edge_agent.runtime import runner as runner_module
 from edge_agent.runtime.config import ModelConfigError
 from edge_agent.runtime.devices import MemoryProbe
 from edge_agent.runtime.memory import (
@@ -492,3 +493,18 @@ def test_a_version_loading_beside_its_models_running_version_keeps_the_agents_wh
     guard.check(guard.need("other", 1, folder, placements=[0], on_gpu=True))  # another model's first load
     guard.release(running)
     guard.check(guard.need("m", 2, folder, placements=[0], on_gpu=True))
+
+
+def test_a_runner_the_guard_placed_checks_only_its_cap_not_free_memory_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard counts every instance's need on each device before a load; the runner's own estimate (1.5 x files
+    against what is free now) would count the instances loaded before it a second time."""
+    version = load_repository(tiny_repository(tmp_path)).get("add", 1)
+    full = FakeNvml(Device("GPU-full-0000", 16 * GiB, 0))  # nothing free: any free-memory check refuses
+    monkeypatch.setattr(gpu, "default_probe", lambda: probe(tmp_path, full))
+    with pytest.raises(gpu.GpuMemoryError, match="only 0 MiB are free"):
+        runner_module.check_gpu_memory(version, None, 0)
+    runner_module.check_gpu_memory(version, None, 0, free_memory=False)  # the guard has checked: only the cap
+    with pytest.raises(gpu.GpuMemoryError, match="its files alone take"):
+        runner_module.check_gpu_memory(version, 10, 0, free_memory=False)
