@@ -13,7 +13,6 @@ from pydantic import BaseModel, BeforeValidator, Field, WithJsonSchema
 
 from controlplane.api.agent_metrics import TenantFilter, _seconds_in_query
 from controlplane.api.deps import SessionDep, SettingsDep, Viewer
-from controlplane.api.slo_status import AlertStatus
 from controlplane.db.models import Slo, utcnow
 from controlplane.errors import NotFound, Overloaded
 from controlplane.history import Steps, metrics_history
@@ -115,7 +114,13 @@ class AgentHistory(FleetHistory):
     points: list[AgentPoint]  # type: ignore[assignment]
 
 
-class AlertPoint(AlertStatus):
+class AlertPoint(BaseModel):
+    """An alert pair as the status says it (`AlertStatus`), where a window that cannot be counted is null."""
+
+    long: Duration
+    short: Duration
+    threshold: float = Field(description="burn rate at which this pair fires")
+    severity: str
     long_burn_rate: float | None = Field(description="null without events, or where the window is shorter than an "
                                          "hour and older than the six hours kept by the minute")  # fmt: skip
     short_burn_rate: float | None
