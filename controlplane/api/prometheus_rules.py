@@ -9,9 +9,10 @@ from sqlalchemy import select
 
 from controlplane.api.deps import SessionDep, Viewer
 from controlplane.db.models import Slo
-from controlplane.errors import NotFound
+from controlplane.errors import Conflict, NotFound
 from controlplane.schemas.slos import SloRead
 from controlplane.slo.prometheus_rules import rule_file
+from controlplane.slo.promql import UnexpressibleSelector
 
 YAML = "application/yaml"
 
@@ -41,7 +42,7 @@ router = APIRouter(prefix="/api/v1/slos", tags=["slos"])
             summary="Every SLO as Prometheus recording rules and multiwindow burn-rate alerts")  # fmt: skip
 def every_slo(session: SessionDep, _: Viewer) -> Response:
     rows = session.scalars(select(Slo).order_by(Slo.name)).all()
-    return Response(rule_file(SloRead.model_validate(row) for row in rows), media_type=YAML)
+    return Response(rule_file((SloRead.model_validate(row) for row in rows), every=True), media_type=YAML)
 
 
 @router.get("/{item_id}/prometheus-rules", response_class=Response, responses=_RULE_FILE,
@@ -50,4 +51,7 @@ def one_slo(item_id: str, session: SessionDep, _: Viewer) -> Response:
     row = session.get(Slo, item_id)
     if row is None:
         raise NotFound(f"no SLO with id '{item_id}'")
-    return Response(rule_file([SloRead.model_validate(row)]), media_type=YAML)
+    try:
+        return Response(rule_file([SloRead.model_validate(row)]), media_type=YAML)
+    except UnexpressibleSelector as exc:
+        raise Conflict(f"SLO '{item_id}' cannot be written as Prometheus rules: {exc}") from None

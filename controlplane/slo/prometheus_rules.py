@@ -43,7 +43,7 @@ import yaml
 
 from controlplane.schemas.slos import AlertWindow, SloRead
 from controlplane.slo.maths import error_budget
-from controlplane.slo.promql import quote, sli_query, window
+from controlplane.slo.promql import UnexpressibleSelector, quote, sli_query, window
 
 BASE_WINDOW_S = 300  # the short window the long ones are summed from, and the "current" burn rate's (Sloth's 5m)
 RAW_LIMIT_S = 3 * 86400  # longer windows sum the base window's recorded rates instead of a raw rate()
@@ -210,24 +210,38 @@ def slo_group(slo: SloRead, name: str | None = None) -> dict[str, Any]:
     return {"name": name or group_name(slo), "interval": _interval(windows), "rules": rules}
 
 
-def rule_groups(slos: Iterable[SloRead]) -> dict[str, Any]:
+def rule_groups(slos: Iterable[SloRead], *, left_out: list[str] | None = None) -> dict[str, Any]:
     """The rule file's structure (`{"groups": [...]}`), one group per SLO; two SLOs whose names sanitise alike get
-    their ids appended."""
+    their ids appended.
+
+    An SLO whose agent labels cannot be label matchers (`promql.UnexpressibleSelector`) raises, unless `left_out` is
+    given: then it is left out and why is appended there (a file of every SLO is still a valid file)."""
     groups: list[dict[str, Any]] = []
     taken: set[str] = set()
     for slo in slos:
         name = group_name(slo)
         if name in taken:
             name = f"{name}-{slo.id}"
+        try:
+            group = slo_group(slo, name)
+        except UnexpressibleSelector as exc:
+            if left_out is None:
+                raise
+            left_out.append(f"{slo.name} ({slo.id}): {exc}")
+            continue
         taken.add(name)
-        groups.append(slo_group(slo, name))
+        groups.append(group)
     return {"groups": groups}
 
 
-def rule_file(slos: Iterable[SloRead]) -> str:
-    """The rule file as YAML, for Prometheus' `rule_files` (and `promtool check rules`)."""
-    body = yaml.dump(rule_groups(slos), Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=1000)
-    return HEADER + body
+def rule_file(slos: Iterable[SloRead], *, every: bool = False) -> str:
+    """The rule file as YAML, for Prometheus' `rule_files` (and `promtool check rules`). `every`: the file of every
+    SLO, which leaves out (in a comment) those it cannot express instead of raising `UnexpressibleSelector`."""
+    left_out: list[str] | None = [] if every else None
+    body = yaml.dump(rule_groups(slos, left_out=left_out), Dumper=_Dumper, sort_keys=False, allow_unicode=True,
+                     width=1000)  # fmt: skip
+    note = "".join(f"# left out: {line}\n" for line in left_out or [])
+    return HEADER + note + body
 
 
 __all__ = ["ALERT", "BASE_WINDOW_S", "RAW_LIMIT_S", "group_name", "rule_file", "rule_groups", "slo_group"]

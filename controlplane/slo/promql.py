@@ -86,12 +86,34 @@ class SliQuery:
         return f"1 - ({self.rate('good', seconds)} / ({self.rate('total', seconds)} > 0))"
 
 
+class UnexpressibleSelector(ValueError):
+    """An SLO whose agent labels cannot be label matchers: a key that becomes one of the metrics' own labels (`le`,
+    `spillway_*`, `gen_ai_*`, `__*`), or two keys that become the same label name."""
+
+
+def _reserved(name: str) -> bool:
+    return name == "le" or name.startswith(("spillway_", "gen_ai_", "__"))
+
+
 def matchers(sli_kind: str, selector: Mapping[str, Any]) -> list[str]:
-    """The label matchers of an SLO's selector (`model`, `tenant`, `labels`), sorted for a stable text."""
+    """The label matchers of an SLO's selector (`model`, `tenant`, `labels`), sorted for a stable text.
+
+    Raises:
+        UnexpressibleSelector: an agent label whose Prometheus name is taken (see the class).
+    """
     _, model_label = METRICS[sli_kind]
     found: list[str] = []
+    named: dict[str, str] = {}
     for key, value in sorted((selector.get("labels") or {}).items()):
-        found.append(f"{label_name(str(key))}={quote(str(value))}")
+        name = label_name(str(key))
+        if _reserved(name):
+            raise UnexpressibleSelector(f"agent label '{key}' becomes the Prometheus label '{name}', which the "
+                                        "metrics already carry: rename the agents' label")  # fmt: skip
+        if name in named:
+            raise UnexpressibleSelector(f"agent labels '{named[name]}' and '{key}' both become the Prometheus label "
+                                        f"'{name}': rename one")  # fmt: skip
+        named[name] = str(key)
+        found.append(f"{name}={quote(str(value))}")
     if selector.get("model"):
         found.append(f"{model_label}={quote(str(selector['model']))}")
     tenant = selector.get("tenant")
@@ -126,6 +148,7 @@ __all__ = [
     "OUTCOME_LABEL",
     "TENANT_LABEL",
     "SliQuery",
+    "UnexpressibleSelector",
     "label_name",
     "le_value",
     "matchers",

@@ -294,3 +294,32 @@ def test_routes_refuse_strangers_and_name_a_missing_slo(sqlite_api: Api) -> None
     assert missing.json()["error"] == "not_found" and "0000000000000000" in missing.json()["message"]
     empty = sqlite_api.call("GET", "/api/v1/slos/prometheus-rules", role="viewer")
     assert empty.status_code == 200 and yaml.safe_load(empty.text) == {"groups": []}
+
+
+def test_agent_labels_that_would_clash_with_the_metrics_labels_are_refused_not_written_ambiguously(
+    sqlite_api: Api, tmp_path: Path
+) -> None:
+    clashes = {
+        "spillway_model": {"spillway_model": "mlp"},  # would read as the model, not an agent label
+        "le": {"le": "0.5"},  # would pick a bucket
+        "a_b": {"a.b": "1", "a_b": "2"},  # two keys, one Prometheus label
+    }
+    ids = {}
+    for name, labels in clashes.items():
+        created = sqlite_api.call(
+            "POST", "/api/v1/slos", json=make_slo(name=f"clash-{name}", selector={"labels": labels})
+        )
+        assert created.status_code == 201, created.text
+        ids[name] = created.json()["id"]
+        one = sqlite_api.call("GET", f"/api/v1/slos/{ids[name]}/prometheus-rules", role="viewer")
+        assert one.status_code == 409 and f"'{name}'" in one.json()["message"], one.text
+    fine = sqlite_api.call("POST", "/api/v1/slos", json=make_slo(name="fine", selector={"labels": {"k8s.zone": "a"}}))
+    every = sqlite_api.call("GET", "/api/v1/slos/prometheus-rules", role="viewer")
+    assert every.status_code == 200
+    assert [g["name"] for g in yaml.safe_load(every.text)["groups"]] == ["spillway-slo-fine"]
+    assert all(f"# left out: clash-{name} ({ident})" in every.text for name, ident in ids.items()), every.text
+    assert fine.status_code == 201
+    (tmp_path / "every.yml").write_text(every.text)
+    checked = subprocess.run([promtool(), "check", "rules", str(tmp_path / "every.yml")], capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
