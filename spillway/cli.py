@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from spillway.slo_cli import slo_app  # typer, httpx and yaml only: a lean install imports it too
+from spillway.slo_cli import slo_app  # typer and httpx only: a lean install imports it too
 
 if TYPE_CHECKING:
     from controlplane.settings import Settings

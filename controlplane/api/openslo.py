@@ -24,7 +24,11 @@ _DOCUMENTS = {"type": "object", "description": "OpenSLO v1 documents (apiVersion
 _YAML_CONTENT = {media: {"schema": _DOCUMENTS} for media in YAML_TYPES}
 _EXPORT_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "OpenSLO v1 YAML, one document per SLO", "content": {"application/yaml": {}}},
-    409: {"model": ErrorBody, "description": "an SLO OpenSLO cannot express (a window that is not whole minutes)"},
+    409: {
+        "model": ErrorBody,
+        "description": "an SLO OpenSLO cannot express (a window that is not whole minutes, "
+        "agent labels that are not Prometheus label matchers)",
+    },
 }
 
 
@@ -127,8 +131,8 @@ def openslo_router(kind: repo.ResourceKind[Any]) -> APIRouter:
     @router.get("/openslo", response_class=Response, responses=_EXPORT_RESPONSES,
                 summary="Every SLO as OpenSLO v1 YAML (one document each)")  # fmt: skip
     def export_all(session: SessionDep, _: Viewer) -> Response:
-        rows = session.scalars(select(kind.table).order_by(kind.table.name)).all()
-        return _yaml(openslo.dump_all([cast(SloCreate, kind.read(r)) for r in rows]))
+        rows = session.scalars(select(kind.table).order_by(kind.table.name, kind.table.id)).all()
+        return _yaml(openslo.dump_all([cast(SloCreate, kind.read(r)) for r in rows], ids=[r.id for r in rows]))
 
     @router.get("/{item_id}/openslo", response_class=Response, responses=_EXPORT_RESPONSES,
                 summary="An SLO as OpenSLO v1 YAML, which the import reads back to the same SLO")  # fmt: skip

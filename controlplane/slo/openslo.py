@@ -5,13 +5,17 @@ store. Pure conversion: no database, no web.
 How an SLO maps (an export imports back to the identical SLO):
 
 - `name` -> `metadata.name` when it is an RFC 1123 label (lowercase letters, digits, '-', at most 63), else a label
-  made from it plus the exact name in the annotation `spillway.dev/name` (which import prefers).
+  made from it plus the exact name in the annotation `spillway.dev/name`; in an export of several SLOs a label already
+  taken (`My_SLO` and `my-slo`) gets a suffix from the SLO's id. Import takes the annotation while `metadata.name` is
+  still the label made from it, else (the file was edited) `metadata.name`.
 - `description` -> `spec.description` (at most 1050 characters there: a longer one is cut there and kept whole in
-  `spillway.dev/description`); import takes `spec.description`, else `metadata.displayName`, else "".
+  `spillway.dev/description`, which import takes while `spec.description` is still that cut); import takes
+  `spec.description`, else `metadata.displayName`, else "".
 - `sli_kind`, `selector` and `threshold_ms` -> an inline SLI whose `ratioMetric` (`counter: true`) has good and total
   `metricSource`s of `type: Prometheus` with `spec.query` = the series selectors of `controlplane.slo.promql`.
   Import recognises exactly those forms (the metric names, `spillway_outcome`, `le`, the model and tenant labels and
-  the agents' labels), rebuilds the SLO and regenerates the queries to compare; an agent label whose key is not a
+  the agents' labels), rebuilds the SLO (the threshold whose `le` text is the one written: 4.2 ms is
+  le="0.004200000000000001") and regenerates the queries to compare; an agent label whose key is not a
   Prometheus label name (`topology.kubernetes.io/zone`) is named back in the SLI's `spillway.dev/label-keys`
   annotation (`prom_name=key,...`).
 - `objective` (percent) -> `objectives[0].target` (a ratio: 99.5 -> 0.995, shifted in decimal so no float noise
@@ -22,21 +26,24 @@ How an SLO maps (an export imports back to the identical SLO):
   `AlertCondition` is `{kind: burnrate, op: gte, threshold: burn_rate, lookbackWindow: long}` with `severity`
   page|ticket. The short window has no OpenSLO field (`alertAfter` is a delay: the condition must hold that long,
   which Spillway does not do), so it travels in the condition's `spillway.dev/short-window` annotation; a burn-rate
-  condition without it gets the SRE workbook's ratio, long / 12 in whole minutes (1h -> 5m). `alertAfter` is
-  accepted only when zero. The policy's notification target and `alertWhen*` flags are written with Spillway's
-  behaviour (alerts when breaching, into its events and status) and ignored on import. No `alertPolicies`: no pairs.
+  condition without it gets the SRE workbook's ratio, long / 12 in whole minutes, halves up (1h -> 5m, 30m -> 3m).
+  `alertAfter` is accepted only when zero. The policy's notification target and `alertWhen*` flags are written with
+  Spillway's behaviour (alerts when breaching, into its events and status) and ignored on import. No `alertPolicies`:
+  no pairs.
 
 Refused, with the field: another `apiVersion`, calendar windows (`calendar`, `isRolling: false`, `M`/`Q`/`Y`
 durations), `Timeslices`/`RatioTimeslices`, `thresholdMetric`, `bad`/`raw` ratios, `counter: false`, a metric
 source that is not Prometheus or a query Spillway does not generate, several objectives, composite objectives,
-conditions that are not burn rates above a threshold, severities other than page/ticket, references
-(`indicatorRef`, `alertPolicyRef`, `conditionRef`) to documents not in the same file, and names Spillway cannot
-store. `SLI`, `AlertPolicy` and `AlertCondition` documents are read when an SLO refers to them; `Service`,
-`DataSource` and `AlertNotificationTarget` documents are accepted and ignored.
+conditions that are not burn rates at or above a threshold (`op: gte`; Spillway fires at >=), numbers that are not
+finite, severities other than page/ticket, references (`indicatorRef`, `alertPolicyRef`, `conditionRef`) to documents
+not in the same file, names Spillway cannot store, and YAML with aliases or nested deeper than MAX_DEPTH. `SLI`,
+`AlertPolicy` and `AlertCondition` documents are read when an SLO refers to them; `Service`, `DataSource` and
+`AlertNotificationTarget` documents are accepted and ignored.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -90,6 +97,19 @@ def dns_label(name: str, suffix: str = "") -> str:
     return f"{base[: 63 - len(suffix)].rstrip('-') or 'slo'}{suffix}"
 
 
+def _cut(description: str) -> str:
+    """A description as `spec.description` holds it (at most MAX_DESCRIPTION characters)."""
+    return description if len(description) <= MAX_DESCRIPTION else description[: MAX_DESCRIPTION - 1] + "…"
+
+
+def _derived_name(name: str, exact: str) -> bool:
+    """Whether `metadata.name` is the label an export made from the exact name (see `unique_names`): not edited."""
+    if name == dns_label(exact):
+        return True
+    return any(name == dns_label(exact, name[i:]) for i in range(len(name))
+               if name[i] == "-" and re.fullmatch(r"-[a-z0-9]{8,}", name[i:]))  # fmt: skip
+
+
 def _target(objective: float) -> float:
     """99.5 -> 0.995 by a decimal shift of the shortest text, so 99.9 gives 0.999 and not 0.9990000000000001."""
     return float(Decimal(repr(float(objective))).scaleb(-2))
@@ -99,18 +119,27 @@ def _objective(target: float) -> float:
     return float(Decimal(repr(float(target))).scaleb(2))
 
 
-def document(slo: SloCreate) -> dict[str, Any]:
-    """One OpenSLO v1 `SLO` document (inline SLI and alert policies) for an SLO."""
-    name = dns_label(slo.name)
+def document(slo: SloCreate, name: str | None = None) -> dict[str, Any]:
+    """One OpenSLO v1 `SLO` document (inline SLI and alert policies) for an SLO, named `name` (default: the label
+    made from its name).
+
+    Raises:
+        Conflict: what OpenSLO (or PromQL) cannot say: a window that is not whole minutes, agent labels that are not
+            label matchers.
+    """
+    name = name or dns_label(slo.name)
     annotations: dict[str, str] = {}
     if name != slo.name:
         annotations[NAME_ANNOTATION] = slo.name
     description = slo.description
     if len(description) > MAX_DESCRIPTION:
         annotations[DESCRIPTION_ANNOTATION] = description
-        description = description[: MAX_DESCRIPTION - 1] + "…"
+        description = _cut(description)
     selector = slo.selector.model_dump(exclude_none=True)
-    query = promql.sli_query(slo.sli_kind, selector, slo.threshold_ms)
+    try:
+        query = promql.sli_query(slo.sli_kind, selector, slo.threshold_ms)
+    except promql.UnexpressibleSelector as exc:
+        raise Conflict(f"SLO '{slo.name}': {exc}", details=[{"field": "selector.labels", "message": str(exc)}]) from exc
     renamed = {promql.label_name(k): k for k in sorted(slo.selector.labels) if promql.label_name(k) != k}
     sli_meta: dict[str, Any] = {"name": dns_label(name, "-sli")}
     if renamed:
@@ -165,9 +194,34 @@ def dump(slo: SloCreate) -> str:
     return dump_all([slo])
 
 
-def dump_all(slos: Sequence[SloCreate]) -> str:
-    """SLOs as one multi-document OpenSLO v1 YAML (empty text for none)."""
-    docs = [document(slo) for slo in slos]
+def unique_names(slos: Sequence[SloCreate], ids: Sequence[str]) -> list[str]:
+    """A distinct `metadata.name` for each SLO: its label, or for a later SLO whose label is taken (`My_SLO` and
+    `my-slo` are both `my-slo`) the label with a suffix from its id (`my-slo-3f2a9c1e`); the exact name travels in
+    the `spillway.dev/name` annotation either way."""
+    names: list[str] = []
+    used: set[str] = set()
+    for slo, ident in zip(slos, ids, strict=True):
+        names.append(next(n for n in _candidate_names(slo.name, ident) if n not in used))
+        used.add(names[-1])
+    return names
+
+
+def _candidate_names(name: str, ident: str) -> Iterator[str]:
+    yield dns_label(name)
+    tail = re.sub(r"[^a-z0-9]", "", ident.lower())[:16].rjust(8, "0")
+    for size in range(8, len(tail) + 1):
+        yield dns_label(name, f"-{tail[:size]}")
+    n = 2
+    while True:  # the whole id is taken too (only with made-up ids)
+        yield dns_label(name, f"-{tail}{n}")
+        n += 1
+
+
+def dump_all(slos: Sequence[SloCreate], ids: Sequence[str] | None = None) -> str:
+    """SLOs as one multi-document OpenSLO v1 YAML (empty text for none), with distinct `metadata.name`s (made with
+    the SLOs' `ids`, when given, where two names make the same label)."""
+    names = unique_names(slos, ids if ids is not None else [str(i) for i in range(len(slos))])
+    docs = [document(slo, name) for slo, name in zip(slos, names, strict=True)]
     return yaml.safe_dump_all(docs, sort_keys=False, allow_unicode=True, width=1_000_000) if docs else ""
 
 
@@ -185,22 +239,38 @@ def _refuse(path: str, message: str) -> NoReturn:
     raise _Refused(path, message)
 
 
-class _NoAliases(yaml.SafeLoader):
-    """Safe YAML without anchors and aliases: a few bytes of aliases can stand for billions of nodes."""
+MAX_DEPTH = 64  # nested collections: an OpenSLO document needs about 12
+_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's: many times faster
 
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.composer.ComposerError(None, None, "YAML aliases are not accepted", event.start_mark)
-        return super().compose_node(parent, index)
+
+def _where(event: yaml.Event) -> str:
+    mark = event.start_mark
+    return "" if mark is None else f" (line {mark.line + 1}, column {mark.column + 1})"
+
+
+def _check_events(text: str) -> None:
+    """Refuse aliases (a few bytes of them can stand for billions of nodes) and nesting deeper than MAX_DEPTH (the
+    composer recurses) by a pass over the parser's events, which keeps no tree and does not recurse."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_LOADER):
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.YAMLError(f"YAML aliases are not accepted{_where(event)}")
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise yaml.YAMLError(f"nested deeper than {MAX_DEPTH} levels{_where(event)}")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
 
 
 def load_documents(text: str) -> list[Any]:
-    """The YAML documents of `text` (empty ones dropped); not YAML: 422 naming `body`."""
+    """The YAML documents of `text` (empty ones dropped), safe YAML without aliases; not YAML: 422 naming `body`."""
     try:
-        return [doc for doc in yaml.load_all(text, Loader=_NoAliases) if doc is not None]  # a SafeLoader
-    except yaml.YAMLError as exc:
-        raise ValidationFailed.field("body", f"not YAML: {' '.join(str(exc).split())}") from exc
+        _check_events(text)
+        return [doc for doc in yaml.load_all(text, Loader=_LOADER) if doc is not None]  # a SafeLoader
+    except (yaml.YAMLError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else " ".join(str(exc).split())
+        raise ValidationFailed.field("body", f"not YAML: {why}") from exc
 
 
 def _mapping(value: Any, path: str, required: bool = True) -> dict[str, Any]:
@@ -226,7 +296,13 @@ def _list(value: Any, path: str) -> list[Any]:
 def _number(value: Any, path: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         _refuse(path, "required" if value is None else "must be a number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        _refuse(path, "must be a finite number")
+    return number
 
 
 def _duration(value: Any, path: str) -> int:
@@ -287,6 +363,20 @@ def _label_keys(metadata: Mapping[str, Any], path: str) -> dict[str, str]:
     return keys
 
 
+def _threshold_ms(le: str | None) -> float | None:
+    """The threshold (ms) whose `le` label promql writes as `le`: export divides by 1000 in floats, so a bucket of
+    4.2 ms is le="0.004200000000000001"; of the candidates (the decimal shift, the float product rounded) the one
+    that gives the same text back, else the decimal shift (whose query then is refused as not Spillway's)."""
+    try:
+        shifted = float(Decimal(le or "x").scaleb(3))
+        candidates = [shifted, round(float(le or "x") * 1000, 9)]
+    except (ArithmeticError, ValueError):
+        return None
+    if not all(math.isfinite(c) and c > 0 for c in candidates):
+        return None
+    return next((c for c in candidates if promql.le_value(c / 1000) == le), shifted)
+
+
 def _indicator(sli: Any, path: str, label_keys: dict[str, str]) -> dict[str, Any]:
     """`sli_kind`, `selector` and `threshold_ms` from an SLI's spec (at `path`) whose queries promql.py wrote."""
     spec = _mapping(sli, path)
@@ -331,9 +421,8 @@ def _indicator(sli: Any, path: str, label_keys: dict[str, str]) -> dict[str, Any
     threshold_ms = None
     if kind != "availability":
         le = next((v for label, op, v in good_matchers if label == "le" and op == "="), None)
-        try:
-            threshold_ms = float(Decimal(le or "x").scaleb(3))
-        except ArithmeticError:
+        threshold_ms = _threshold_ms(le)
+        if threshold_ms is None:
             _refuse(good_path, 'not a query Spillway generates: the good series needs le="<threshold in seconds>"')
     try:
         expected = promql.sli_query(kind, selector, threshold_ms)
@@ -391,8 +480,8 @@ def _alert(policy_item: Any, path: str, refs: dict[str, dict[str, _Doc]]) -> dic
     cond = _mapping(spec.get("condition"), at)
     if cond.get("kind", "burnrate") != "burnrate":
         _refuse(f"{at}.kind", f"'{cond.get('kind')}': Spillway alerts on burn rates only (burnrate)")
-    if cond.get("op") not in ("gte", "gt"):
-        _refuse(f"{at}.op", f"'{cond.get('op')}': a burn-rate alert fires above its threshold (gte)")
+    if cond.get("op") != "gte":
+        _refuse(f"{at}.op", f"'{cond.get('op')}': a Spillway burn-rate alert fires at or above its threshold (gte)")
     threshold = _number(cond.get("threshold"), f"{at}.threshold")
     long = _duration(cond.get("lookbackWindow"), f"{at}.lookbackWindow")
     after = cond.get("alertAfter")
@@ -401,7 +490,7 @@ def _alert(policy_item: Any, path: str, refs: dict[str, dict[str, _Doc]]) -> dic
                 "(leave alertAfter out)")  # fmt: skip
     short_text = _annotations(meta, f"{cpath}.metadata").get(SHORT_WINDOW_ANNOTATION)
     if short_text is None:
-        short = max(60, round(long / 12 / 60) * 60)
+        short = max(1, (long // 60 + 6) // 12) * 60  # long / 12 in whole minutes, halves rounded up
     else:
         short = _duration(short_text, f"{cpath}.metadata.annotations.{SHORT_WINDOW_ANNOTATION}")
     return {"long": long, "short": short, "burn_rate": threshold, "severity": severity}
@@ -426,12 +515,15 @@ def _slo(doc: _Doc, refs: dict[str, dict[str, _Doc]]) -> ImportedSlo:
     spec = _mapping(doc.body.get("spec"), f"{p}.spec")
     fields: dict[str, str] = {}
     data: dict[str, Any] = {}
-    if NAME_ANNOTATION in annotations:
-        data["name"], fields["name"] = annotations[NAME_ANNOTATION], f"{p}.metadata.annotations.{NAME_ANNOTATION}"
+    name = _text(metadata.get("name"), f"{p}.metadata.name")
+    exact = annotations.get(NAME_ANNOTATION)
+    if isinstance(exact, str) and _derived_name(name, exact):  # else metadata.name was edited: the edit wins
+        data["name"], fields["name"] = exact, f"{p}.metadata.annotations.{NAME_ANNOTATION}"
     else:
-        data["name"], fields["name"] = _text(metadata.get("name"), f"{p}.metadata.name"), f"{p}.metadata.name"
-    if DESCRIPTION_ANNOTATION in annotations:
-        data["description"] = annotations[DESCRIPTION_ANNOTATION]
+        data["name"], fields["name"] = name, f"{p}.metadata.name"
+    whole = annotations.get(DESCRIPTION_ANNOTATION)
+    if isinstance(whole, str) and spec.get("description") == _cut(whole):  # as exported, not edited
+        data["description"] = whole
         fields["description"] = f"{p}.metadata.annotations.{DESCRIPTION_ANNOTATION}"
     elif "description" in spec:
         data["description"], fields["description"] = spec["description"], f"{p}.spec.description"
@@ -507,7 +599,7 @@ def _documents(raw: list[Any]) -> Iterator[_Doc]:
             _refuse(doc.path, "must be an OpenSLO object (apiVersion, kind, metadata, spec)")
         if body.get("apiVersion") != API_VERSION:
             _refuse(f"{doc.path}.apiVersion", f"'{body.get('apiVersion')}': Spillway reads {API_VERSION}")
-        if body.get("kind") not in KINDS:
+        if not isinstance(body.get("kind"), str) or body["kind"] not in KINDS:
             _refuse(f"{doc.path}.kind", f"'{body.get('kind')}' is not an OpenSLO v1 kind")
         yield doc
 

@@ -15,6 +15,7 @@ import yaml
 from jsonschema import Draft7Validator
 from referencing import Registry, Resource
 
+from controlplane.errors import Conflict
 from controlplane.schemas.slos import SloCreate
 from controlplane.slo import openslo
 from tests.conftest import Api, open_api
@@ -256,6 +257,22 @@ REFUSALS: dict[str, tuple[Callable[[dict[str, Any]], None], str, str]] = {
     "not a burn rate": (lambda d: _at(d, "spec", "alertPolicies", 0, "spec", "conditions", 0, "spec", "condition")
                         .update(op="lte"),
                         "documents[0].spec.alertPolicies[0].spec.conditions[0].spec.condition.op", "gte"),
+    "above, not at or above": (lambda d: _at(d, "spec", "alertPolicies", 0, "spec", "conditions", 0, "spec",
+                                             "condition").update(op="gt"),
+                               "documents[0].spec.alertPolicies[0].spec.conditions[0].spec.condition.op", "gte"),
+    "kind as a list": (lambda d: d.update(kind=["SLO"]), "documents[0].kind", "not an OpenSLO v1 kind"),
+    "kind as a mapping": (lambda d: d.update(kind={"SLO": 1}), "documents[0].kind", "not an OpenSLO v1 kind"),
+    "NaN target": (lambda d: d["spec"]["objectives"][0].update(target=float("nan")),
+                   "documents[0].spec.objectives[0].target", "finite"),
+    "infinite target": (lambda d: d["spec"]["objectives"][0].update(target=float("inf")),
+                        "documents[0].spec.objectives[0].target", "finite"),
+    "huge target": (lambda d: d["spec"]["objectives"][0].update(target=10**400),
+                    "documents[0].spec.objectives[0].target", "finite"),
+    "huge targetPercent": (lambda d: d["spec"]["objectives"].__setitem__(0, {"targetPercent": -(10**400)}),
+                           "documents[0].spec.objectives[0].targetPercent", "finite"),
+    "huge burn rate": (lambda d: _at(d, "spec", "alertPolicies", 0, "spec", "conditions", 0, "spec", "condition")
+                       .update(threshold=10**400),
+                       "documents[0].spec.alertPolicies[0].spec.conditions[0].spec.condition.threshold", "finite"),
     "a delay": (lambda d: _at(d, "spec", "alertPolicies", 0, "spec", "conditions", 0, "spec", "condition")
                 .update(alertAfter="5m"),
                 "documents[0].spec.alertPolicies[0].spec.conditions[0].spec.condition.alertAfter", "delay"),
@@ -324,3 +341,128 @@ def test_the_example_file_is_valid_openslo_and_imports(shared: Api) -> None:
     assert checked.status_code == 200, checked.text  # a dry run creates nothing
     assert [(s["name"], s["result"]) for s in checked.json()["slos"]] == [
         ("mlp-latency", "created"), ("tiny-lm-ttft", "created")]  # fmt: skip
+    names = [s["name"] for s in shared.call("GET", "/api/v1/slos", params={"limit": 500}).json()["items"]]
+    assert "mlp-latency" not in names and "tiny-lm-ttft" not in names
+
+
+@pytest.mark.parametrize("body", ["[" * 5000, "{a: " * 5000, "- " * 5000 + "x"])
+def test_deep_nesting_is_a_422_naming_the_body(shared: Api, body: str) -> None:
+    answer = _post_yaml(shared, body)
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["details"][0]["field"] == "body" and "not YAML" in answer.json()["message"]
+
+
+def test_a_deep_but_reasonable_document_still_loads() -> None:
+    assert openslo.load_documents("a: " + "[" * 60 + "]" * 60) == [{"a": _nested(59)}]
+
+
+def _nested(depth: int) -> Any:
+    value: Any = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _edited(name: str, change: Callable[[dict[str, Any]], None], **over: Any) -> str:
+    doc = yaml.safe_load(_exported(name, **over))
+    change(doc)
+    return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
+
+
+def test_an_edited_name_or_description_wins_over_the_annotation() -> None:
+    long = "y" * 1500
+    (untouched,) = openslo.parse(_exported("My_Edit.SLO", description=long))
+    assert (untouched.slo.name, untouched.slo.description) == ("My_Edit.SLO", long)
+    renamed = _edited("My_Edit.SLO", lambda d: d["metadata"].update(name="renamed"), description=long)
+    (edited,) = openslo.parse(renamed)
+    assert (edited.slo.name, edited.slo.description) == ("renamed", long)
+    assert edited.field("name") == "documents[0].metadata.name"
+    described = _edited("My_Edit.SLO", lambda d: d["spec"].update(description="short now"), description=long)
+    (edited,) = openslo.parse(described)
+    assert (edited.slo.name, edited.slo.description) == ("My_Edit.SLO", "short now")
+
+
+@pytest.mark.parametrize(("long", "short"), [("30m", 180), ("90m", 480), ("6m", 60), ("5m", 60), ("1h", 300),
+                                             ("18m", 120), ("2h", 600), ("1d", 7200)])  # fmt: skip
+def test_the_default_short_window_rounds_halves_up(long: str, short: int) -> None:
+    def change(d: dict[str, Any]) -> None:
+        condition = _at(d, "spec", "alertPolicies", 0, "spec", "conditions", 0)
+        del condition["metadata"]["annotations"]
+        condition["spec"]["condition"]["lookbackWindow"] = long
+
+    (imported,) = openslo.parse(_edited("short-window", change))
+    assert imported.slo.alert_windows[0].short == short
+
+
+ODD_BUCKETS = [4.2, 4.9, 5.9, 6.9, 13.8, 33.6]
+
+
+@pytest.mark.parametrize("threshold", ODD_BUCKETS)
+def test_thresholds_whose_le_has_float_noise_read_back(threshold: float) -> None:
+    slo = SloCreate.model_validate(make_slo(threshold_ms=threshold))
+    assert openslo.parse(openslo.dump(slo))[0].slo == slo
+
+
+def test_thresholds_whose_le_has_float_noise_import_back_unchanged(tmp_path: Path) -> None:
+    for api in open_api(f"sqlite:///{tmp_path / 'buckets.db'}", latency_buckets_ms=[*ODD_BUCKETS, 100.0]):
+        for threshold in ODD_BUCKETS:
+            created = api.call("POST", "/api/v1/slos", json=make_slo(name=f"odd-{threshold}", threshold_ms=threshold))
+            assert created.status_code == 201, created.text
+        exported = api.call("GET", "/api/v1/slos/openslo", role="viewer")
+        assert 'le=\\"0.004200000000000001\\"' in exported.text or 'le="0.004200000000000001"' in exported.text
+        again = _post_yaml(api, exported.text)
+        assert again.status_code == 200, again.text
+        assert [s["result"] for s in again.json()["slos"]] == ["unchanged"] * len(ODD_BUCKETS)
+
+
+def test_export_of_every_slo_has_distinct_names(shared: Api) -> None:
+    ids = {}
+    for name in ("Same_Label", "same-label", "SAME.label"):
+        created = shared.call("POST", "/api/v1/slos", json=make_slo(name=name))
+        assert created.status_code == 201, created.text
+        ids[name] = created.json()["id"]
+    exported = shared.call("GET", "/api/v1/slos/openslo", role="viewer")
+    assert exported.status_code == 200
+    docs = [d for d in assert_valid_openslo(exported.text) if d["metadata"]["name"].startswith("same-label")]
+    names = [d["metadata"]["name"] for d in docs]
+    assert len(names) == 3 and len(set(names)) == 3 and "same-label" in names, names
+    assert {openslo.parse(yaml.safe_dump(d))[0].slo.name for d in docs} == set(ids)
+    again = _post_yaml(shared, exported.text)
+    assert again.status_code == 200, again.text
+    assert {(s["name"], s["id"], s["result"]) for s in again.json()["slos"] if s["name"] in ids} == {
+        (name, ident, "unchanged") for name, ident in ids.items()}  # fmt: skip
+    for ident in ids.values():
+        shared.call("DELETE", f"/api/v1/slos/{ident}")
+
+
+def test_unique_names_suffix_later_ones_from_their_ids() -> None:
+    slos = [SloCreate.model_validate(make_slo(name=n)) for n in ("My_SLO", "my-slo", "MY.SLO", "my-slo-0000abcd")]
+    names = openslo.unique_names(slos, ["aaaa1111bbbb2222", "0000abcd9999ffff", "0000abcd9999eeee", "x"])
+    assert names == ["my-slo", "my-slo-0000abcd", "my-slo-0000abcd9", "my-slo-0000abcd-0000000x"]
+
+
+def test_agent_labels_promql_cannot_say_are_a_409() -> None:
+    slo = SloCreate.model_validate(make_slo(name="clash", selector={"labels": {"le": "x"}}))
+    with pytest.raises(Conflict) as raised:
+        openslo.dump(slo)
+    assert "'le'" in raised.value.message and raised.value.details[0]["field"] == "selector.labels"
+
+
+def test_a_failing_write_stores_nothing(shared: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    from controlplane.db import repository
+
+    calls: list[str] = []
+    real = repository.create_row
+
+    def create_row(*args: Any, **kwargs: Any) -> Any:
+        calls.append("create")
+        if len(calls) == 2:
+            raise RuntimeError("the disk is full")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(repository, "create_row", create_row)
+    answer = _post_yaml(shared, _exported("atomic-write-1") + "---\n" + _exported("atomic-write-2"))
+    assert answer.status_code == 500 and calls == ["create", "create"]
+    monkeypatch.undo()
+    names = [s["name"] for s in shared.call("GET", "/api/v1/slos", params={"limit": 500}).json()["items"]]
+    assert "atomic-write-1" not in names and "atomic-write-2" not in names

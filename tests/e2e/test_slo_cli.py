@@ -9,6 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
 from typer.testing import CliRunner, Result
 
 from controlplane.app import create_app
@@ -95,3 +97,49 @@ def test_failures_are_one_clear_line(plane: tuple[str, dict[str, str]], tmp_path
     down = CliRunner().invoke(app, ["slo", "export", "--all", "--api", nobody], env={"SPILLWAY_API_KEY": keys["admin"]})
     _one_line_error(down, 1, "cannot reach the control plane", nobody)
     assert httpx.get(f"{base}/readyz").status_code == 200  # the plane was up all along: only the URL was wrong
+
+
+@pytest.mark.parametrize("key", ["spk_SECRET\rX", "spk_SECRET\x01X", "spk_SECRÉTX", "spk_SECRET\nX"])
+def test_a_key_that_cannot_be_a_header_is_refused_without_showing_it(plane: tuple[str, dict[str, str]],
+                                                                     key: str) -> None:  # fmt: skip
+    base, _ = plane
+    for args in (["export", "--all"], ["rules"], ["export", "some-slo"]):
+        result = CliRunner().invoke(app, ["slo", *args], env={"SPILLWAY_API": base, "SPILLWAY_API_KEY": key})
+        _one_line_error(result, 2, "SPILLWAY_API_KEY", "printable ASCII")
+        assert "SECRET" not in result.output and "SECRÉT" not in result.output, result.output
+
+
+def test_slos_named_like_routes_are_found_by_name(plane: tuple[str, dict[str, str]], tmp_path: Path) -> None:
+    names = ["openslo", "prometheus-rules", "import"]
+    source = tmp_path / "routes.yaml"
+    source.write_text(openslo.dump_all([SloCreate.model_validate(make_slo(name=n)) for n in names]))
+    assert slo(plane, "import", str(source)).exit_code == 0
+    for name in names:
+        exported = slo(plane, "export", name, key="viewer")
+        assert exported.exit_code == 0, exported.output
+        assert [i.slo.name for i in openslo.parse(exported.stdout)] == [name]
+        rules = slo(plane, "rules", name, key="viewer")
+        assert rules.exit_code == 0, rules.output
+        assert [g["name"] for g in yaml.safe_load(rules.stdout)["groups"]] == [f"spillway-slo-{name}"]
+
+
+def test_a_deep_file_and_an_answer_that_is_not_json_are_one_line(plane: tuple[str, dict[str, str]],
+                                                                   tmp_path: Path) -> None:  # fmt: skip
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 5000)
+    _one_line_error(slo(plane, "import", str(deep)), 1, "HTTP 422", "body", "not YAML")
+
+    other = FastAPI()
+
+    @other.api_route("/{path:path}", methods=["GET", "POST"])
+    def anything(path: str) -> PlainTextResponse:
+        return PlainTextResponse(f"hello from {path}")
+
+    _, keys = plane
+    source = tmp_path / "one.yaml"
+    source.write_text(openslo.dump(SloCreate.model_validate(make_slo(name="cli-not-json"))))
+    with serving(other) as elsewhere:
+        env = {"SPILLWAY_API": elsewhere, "SPILLWAY_API_KEY": keys["editor"]}
+        for args in (["import", str(source)], ["export", "cli-not-json"], ["rules", "cli-not-json"]):
+            result = CliRunner().invoke(app, ["slo", *args], env=env)
+            _one_line_error(result, 1, "not JSON", "the control plane?")
