@@ -7,6 +7,7 @@ version; the status and the active-streams gauge follow."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import shutil
 import threading
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,7 @@ from spillway.demo.tiny_lm import TINY, TINY_LITE, TINY_LM, build_tiny_lm_versio
 from tests.agent.policy_support import AGENT_ID, default_output, document
 
 SCENARIO_LIMIT_S = 120
+GATE_LIMIT_S = 20  # well below the scenario's: a gate left shut shows where it stalled, not as the scenario's timeout
 T = TypeVar("T")
 
 
@@ -64,9 +66,12 @@ def run(agent: Agent, scenario: Callable[[httpx.AsyncClient], Awaitable[T]]) -> 
             finally:
                 await agent.applier.close()
 
+    # A scenario that stalls (once, on a busy CI machine, for its whole limit) leaves every thread's stack in the log.
+    faulthandler.dump_traceback_later(SCENARIO_LIMIT_S - 10)
     try:
         return asyncio.run(main())
     finally:
+        faulthandler.cancel_dump_traceback_later()
         agent.close()
 
 
@@ -207,7 +212,7 @@ def test_a_variant_switch_serves_new_streams_on_v2_while_v1_finishes_its_own(lm_
     decode = v1.instances[0].runner.decode
 
     def gated_decode(*args: Any) -> Any:
-        gate.wait(SCENARIO_LIMIT_S)
+        gate.wait(GATE_LIMIT_S)
         return decode(*args)
 
     v1.instances[0].runner.decode = gated_decode  # type: ignore[method-assign]
@@ -276,7 +281,7 @@ def test_switching_back_while_the_old_version_drains_waits_for_it_instead_of_loa
     decode = v1.instances[0].runner.decode
 
     def gated_decode(*args: Any) -> Any:
-        gate.wait(SCENARIO_LIMIT_S)
+        gate.wait(GATE_LIMIT_S)
         return decode(*args)
 
     v1.instances[0].runner.decode = gated_decode  # type: ignore[method-assign]
