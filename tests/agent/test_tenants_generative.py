@@ -256,16 +256,32 @@ def test_a_level_above_the_ceiling_is_served_at_it_and_overflows_with_the_tenant
     edge.wait_released("capped")
 
 
-def test_a_client_that_leaves_mid_stream_gives_its_tenant_stream_back(edge: Edge) -> None:
-    cancelled = edge.engine.instances[0].counts["cancelled"]
+def test_a_client_that_leaves_mid_stream_gives_its_tenant_stream_back(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    instance = edge.engine.instances[0]
+    cancelled = instance.counts["cancelled"]
+    # Decode steps wait at a gate: the stream's first token (its prefill) arrives, and it cannot end on its own
+    # before the client has left (on a busy machine it once did, 500 tokens before the client read the first).
+    gate = threading.Event()
+    decode = instance.runner.decode
+
+    def gated_decode(*args: Any) -> Any:
+        gate.wait(30)
+        return decode(*args)
+
+    monkeypatch.setattr(instance.runner, "decode", gated_decode)
     body = {"model": TINY_LM, "prompt": "x", "stream": True, "max_tokens": 500, "ignore_eos": True}
-    with httpx.stream("POST", f"{edge.url}/v1/completions", json=body, timeout=30,
-                      headers={"authorization": "Bearer tok-leaver"}) as answer:  # fmt: skip
-        assert answer.status_code == 200
-        for line in answer.iter_lines():
-            if line.startswith("data: "):
-                break  # one event in: then the client goes
-        assert edge.held("leaver")["in_flight"] == 1
+    try:
+        with httpx.stream("POST", f"{edge.url}/v1/completions", json=body, timeout=30,
+                          headers={"authorization": "Bearer tok-leaver"}) as answer:  # fmt: skip
+            assert answer.status_code == 200
+            for line in answer.iter_lines():
+                if line.startswith("data: "):
+                    break  # one event in: then the client goes
+            assert edge.held("leaver")["in_flight"] == 1
+    finally:
+        gate.set()
     edge.wait_released("leaver")
     assert edge.engine.instances[0].counts["cancelled"] == cancelled + 1  # cut short, not finished
     after = edge.client("leaver").completions.create(model=TINY_LM, prompt="back", max_tokens=2)
