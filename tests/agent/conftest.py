@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from spillway.demo.models import build_demo_repository
-from tests.utils.server import free_port
+from tests.utils.server import free_ports
 
 
 @pytest.fixture(scope="session")
@@ -51,11 +51,11 @@ class RunningAgent:
 def start_agent(repo: Path, workdir: Path, env: dict[str, str] | None = None, **settings: Any) -> RunningAgent:
     """`spillway agent serve` as its own process (as in production: no GIL shared with the test's clients), with
     `env` added to this process's environment."""
-    port = free_port()
+    port, grpc_port = free_ports(2)
     config = workdir / f"agent-{port}.yaml"
     # Each agent caches policies in its own state directory unless the test shares one (a restart); each has its own
     # gRPC port (the default, 8001, would be taken by the first).
-    settings = {"state_dir": str(workdir / f"state-{port}"), "grpc_port": free_port(), **settings}
+    settings = {"state_dir": str(workdir / f"state-{port}"), "grpc_port": grpc_port, **settings}
     config.write_text(yaml.safe_dump({"model_repository": str(repo), "port": port, **settings}))
     log = workdir / f"agent-{port}.log"
     with log.open("wb") as out:

@@ -14,17 +14,18 @@ import pytest
 
 from spillway.demo.overflow_story import OUTCOMES, LoadPhase, OverflowStory, small_repository
 from spillway.demo.story import Story
-from tests.utils.server import free_port
+from tests.utils.server import free_ports
 
 pytestmark = pytest.mark.slow
 
 
 def test_overflow_story_every_request_answered_once_high_priorities_protected(tmp_path: Path) -> None:
     models = small_repository(tmp_path / "slow")
-    with Story(tmp_path / "story", port=free_port(), agent_port=free_port(), interval_s=1.0) as base:
+    port, agent_port, edge_port, *cloud_ports = free_ports(5)
+    with Story(tmp_path / "story", port=port, agent_port=agent_port, interval_s=1.0) as base:
         base.prepare()
         base.start_control_plane()
-        story = OverflowStory(base, models=models, edge_port=free_port(), cloud_ports=[free_port(), free_port()])
+        story = OverflowStory(base, models=models, edge_port=edge_port, cloud_ports=cloud_ports)
         story.start()
         # Measured on the spot: the phases offer multiples of it, and the deadline is five service times of it.
         capacity = story.calibrate(seconds=1.5)

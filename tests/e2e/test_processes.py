@@ -17,7 +17,7 @@ import pytest
 
 from spillway.demo.harness import Process, stop_all
 from tests.conftest import make_keys
-from tests.utils.server import free_port
+from tests.utils.server import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def _wait(port: int, proc: Process, want: int) -> httpx.Response:
 
 def test_serve_migrates_at_start_unless_told_not_to(sqlite_url: str, tmp_path: Path) -> None:
     unmigrated = f"sqlite:///{tmp_path / 'other.db'}"
-    port_a, port_b = free_port(), free_port()
+    port_a, port_b = free_ports(2)
     a = _serve(sqlite_url, port_a, tmp_path / "a.log")
     b = _serve(unmigrated, port_b, tmp_path / "b.log", "--no-migrate")
     try:
@@ -59,7 +59,7 @@ def test_serve_migrates_at_start_unless_told_not_to(sqlite_url: str, tmp_path: P
 
 @pytest.mark.postgres
 def test_replicas_starting_together_on_postgres_take_turns_to_migrate(postgres_url: str, tmp_path: Path) -> None:
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     procs = [_serve(postgres_url, port, tmp_path / f"replica{i}.log") for i, port in enumerate(ports)]
     try:
         for port, proc in zip(ports, procs, strict=True):
@@ -71,7 +71,7 @@ def test_replicas_starting_together_on_postgres_take_turns_to_migrate(postgres_u
 @pytest.mark.postgres
 def test_exactly_one_replica_runs_the_control_loop_and_another_takes_over(postgres_url: str, tmp_path: Path) -> None:
     key = make_keys(postgres_url)["viewer"]
-    ports = [free_port(), free_port()]
+    ports = free_ports(2)
     logs = [tmp_path / f"replica{i}.log" for i in range(2)]
     procs = [_serve(postgres_url, port, log, SPILLWAY_CONTROL_LOOP_INTERVAL_S="0.3")
              for port, log in zip(ports, logs, strict=True)]  # fmt: skip
@@ -158,8 +158,7 @@ def test_demo_seeds_the_example_fleet_through_the_api_and_stops_on_ctrl_c(tmp_pa
     """The whole demo, serving at its end as a user runs it (no --once): its output, the backends it registered
     (every one real: the gateway counts each healthy), its progress lines on stderr, and Ctrl-C (SIGINT to the demo
     alone): it ends within a bound with a line saying so, and leaves no process or port behind."""
-    port, agent_port = free_port(), free_port()
-    dashboard_port = free_port()
+    port, agent_port, dashboard_port = free_ports(3)
     args = ["demo", "--port", str(port), "--agent-port", str(agent_port), "--data-dir", str(tmp_path / "demo"),
             "--dashboard-port", str(dashboard_port)]  # fmt: skip
     out_path, err_path = tmp_path / "demo.out", tmp_path / "demo.err"

@@ -18,6 +18,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports: each held while the next is drawn (one `free_port` after another may
+    draw the same port twice, as a demo test once did for its control plane and its agent)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 @contextmanager
 def serving(app: FastAPI) -> Iterator[str]:
     """Serve `app` on 127.0.0.1 and yield its base URL; stops the server on exit."""
