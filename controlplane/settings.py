@@ -33,6 +33,30 @@ class Settings(BaseSettings):
     ingest_max_concurrent: int = Field(
         default=8, gt=0, description="OTLP exports processed at once; beyond it 503 with Retry-After (overload)."
     )
+    ingest_ack: Literal["logged", "applied"] = Field(
+        default="logged",
+        description="When an OTLP export is answered: `logged` once it is in the ingest log (replayed after a "
+        "crash; rollups written just after), `applied` once its rollups are committed (slower; no log).",
+    )
+    ingest_log_dir: str | None = Field(
+        default=None,
+        description="Folder of the ingest log (`logged`); default: beside a SQLite file, else "
+        "$XDG_STATE_HOME/spillway/ingest-log. One subfolder per database; each process holds one slot of it.",
+    )
+    ingest_log_fsync: bool = Field(
+        default=True,
+        description="fsync the ingest log before answering (group commit): an answered export survives a power "
+        "loss, not only a crash of the process.",
+    )
+    agent_auth_cache_s: float = Field(
+        default=5.0, ge=0, le=300,
+        description="How long an agent token checked on the ingest and policy paths is trusted without the "
+        "database (a revoked token works at most this long); 0: checked on every request.",
+    )  # fmt: skip
+    workers: int = Field(
+        default=1, ge=1, le=64,
+        description="Control-plane processes serving one port (SO_REUSEPORT); more than one needs PostgreSQL.",
+    )  # fmt: skip
     retention_days: float = Field(default=35.0, gt=0, description="Minute rollups older than this are deleted.")
     evaluation_interval_s: float = Field(
         default=5.0, ge=0, description="SLO status is recomputed at most this often (seconds); 0: on every request."
@@ -109,6 +133,15 @@ class Settings(BaseSettings):
             raise ValueError(
                 "SPILLWAY_GATEWAY_MAX_EJECTION_S must be at least SPILLWAY_GATEWAY_BASE_EJECTION_S "
                 f"({self.gateway_max_ejection_s:g} < {self.gateway_base_ejection_s:g})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _workers_need_postgres(self) -> Settings:
+        if self.workers > 1 and self.database_url.startswith("sqlite"):
+            raise ValueError(
+                f"SPILLWAY_WORKERS={self.workers} needs PostgreSQL: a SQLite file has one writer and each process "
+                "would run the control loop (use one worker, or SPILLWAY_DATABASE_URL=postgresql://...)"
             )
         return self
 

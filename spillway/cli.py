@@ -6,6 +6,7 @@ control-plane or dashboard command says which extra to install."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -67,14 +68,26 @@ def serve(
     migrate: Annotated[
         bool | None, typer.Option(help="migrate the database at start [SPILLWAY_MIGRATE_ON_START]")
     ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(help="processes serving the port, SO_REUSEPORT; >1 needs PostgreSQL [SPILLWAY_WORKERS]"),
+    ] = None,
 ) -> None:
     """Serve the REST policy API (migrates the database first unless --no-migrate)."""
     import uvicorn
 
     from controlplane.app import create_app
     from spillway.graceful import GracefulServer
+    from spillway.workers import reuseport_socket, supervise, worker_index
 
-    settings = _settings(host=host, port=port, migrate_on_start=migrate)
+    settings = _settings(host=host, port=port, migrate_on_start=migrate, workers=workers)
+    index = worker_index()
+    if settings.workers > 1 and index is None:  # the parent: start the workers, each serving the port itself
+        os.environ.update({"SPILLWAY_HOST": settings.host, "SPILLWAY_PORT": str(settings.port),
+                           "SPILLWAY_MIGRATE_ON_START": str(settings.migrate_on_start).lower(),
+                           "SPILLWAY_WORKERS": str(settings.workers)})  # fmt: skip
+        argv = [sys.executable, "-c", "from spillway.cli import main; main()", "controlplane", "serve"]
+        raise typer.Exit(supervise(settings.workers, argv, say=_say_err))
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
@@ -88,7 +101,10 @@ def serve(
     )
     # On SIGTERM: the listener closes first, every request read (the gateway's included) is answered, and each
     # keep-alive connection is closed only between two requests.
-    GracefulServer(config).run()
+    if index is None:
+        GracefulServer(config).run()
+    else:  # one of several workers: its own listening socket on the shared port
+        GracefulServer(config).run(sockets=[reuseport_socket(settings.host, settings.port)])
 
 
 def _log_config() -> dict[str, Any]:
