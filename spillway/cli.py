@@ -87,7 +87,7 @@ def serve(
                            "SPILLWAY_MIGRATE_ON_START": str(settings.migrate_on_start).lower(),
                            "SPILLWAY_WORKERS": str(settings.workers)})  # fmt: skip
         argv = [sys.executable, "-c", "from spillway.cli import main; main()", "controlplane", "serve"]
-        raise typer.Exit(supervise(settings.workers, argv, say=_say_err))
+        raise typer.Exit(supervise(settings.workers, argv, say=_say_err, address=(settings.host, settings.port)))
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,

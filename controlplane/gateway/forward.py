@@ -55,6 +55,7 @@ from controlplane.gateway.relay import OpenAIRelay
 from controlplane.gateway.tenant import quota_tenant, request_tenant
 from controlplane.gateway.tokens import AgentTokens, TokenCache
 from controlplane.gateway.translate import Translated, TranslationError, request_to_json, response_from_json
+from controlplane.gateway.upstream import Answer, UpstreamConnect, UpstreamReset, Upstreams, UpstreamTimeout
 from controlplane.monitoring import GatewayMetrics
 from spillway.contract.v2 import ClientGone
 
@@ -130,7 +131,8 @@ class Gateway:
         self.tokens = AgentTokens(TokenCache(config.auth_ttl_s, clock=clock))
         self.events: EventLog | None = None
         self.checker: ReadinessChecker | None = None
-        self._http: aiohttp.ClientSession | None = None
+        self._http: aiohttp.ClientSession | None = None  # readiness checks and the OpenAI-compatible relay
+        self.upstreams = Upstreams(config.max_connections)  # V2 requests to `v2` backends (upstream.py)
         self._tasks: list[asyncio.Task[None]] = []
         self._instruments: dict[str, Instruments] = {}
         self.grpc = GrpcBackends()  # the channels to v2_grpc backends
@@ -143,6 +145,7 @@ class Gateway:
         connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, ttl_dns_cache=60,
                                          keepalive_timeout=30)  # fmt: skip
         # Bytes pass as they are: no decompression, no Accept-Encoding the client did not send, no cookies.
+        self.upstreams = Upstreams(self.config.max_connections)  # a fresh one per start (and event loop)
         self._http = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                            skip_auto_headers=("Accept-Encoding", "User-Agent"),
                                            cookie_jar=aiohttp.DummyCookieJar())  # fmt: skip
@@ -167,6 +170,7 @@ class Gateway:
         if self._http is not None:
             await self._http.close()
             self._http = None
+        await self.upstreams.close()
         await self.grpc.close()
 
     def http(self) -> aiohttp.ClientSession:
@@ -381,52 +385,59 @@ class Gateway:
             raise
         instruments.outstanding.inc()
         began = self.clock()
+        answer: Answer | None = None
         try:
-            async with self.http().post(spec.url + request.path, data=payload, headers=headers,
-                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:  # fmt: skip
-                status = response.status
-                code = str(status)
-                # A 503 with Retry-After is a backend shedding load (a busy Spillway agent, Triton's queue full):
-                # retried elsewhere like any 503, but no mark against the backend's health (unlike Envoy).
-                busy = status == 503 and "retry-after" in response.headers
-                if status >= 500 and not busy:
-                    failure, error = "status_5xx", f"answered {status}"
-                if status in RETRIABLE_STATUS:
-                    kept = await response.content.read(_ERROR_BODY_LIMIT)
-                    passed = tuple((k.lower(), v) for k, v in response.raw_headers if k.lower() in _PASSED_ON
-                                   and k.lower() != b"content-length")  # fmt: skip
-                    kind = "busy" if busy else "status_5xx"
-                    return Failure(kind, f"backend '{spec.name}' answered {status}", spec, status, kept,
-                                    passed)  # fmt: skip
-                extra = answer_headers(spec, attempt)
-                if translated is not None and status == 200:
-                    raw = await response.read()
-                    try:
-                        body, length = response_from_json(raw, translated)
-                    except TranslationError as exc:
-                        failure, error = "bad_response", str(exc)[:300]
-                        raise BadBackendResponse(f"backend '{spec.name}': {exc}", {"backend": spec.name}) from None
-                    ctype = b"application/octet-stream" if length is not None else JSON
-                    extra += [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
-                    if length is not None:
-                        extra.append((b"inference-header-content-length", str(length).encode()))
-                    await send({"type": "http.response.start", "status": 200, "headers": extra})
-                    await send({"type": "http.response.body", "body": body})
-                    return None
-                passed_on = [(k.lower(), v) for k, v in response.raw_headers if k.lower() in _PASSED_ON]
-                await send({"type": "http.response.start", "status": status, "headers": passed_on + extra})
-                streaming = True
-                async for chunk in response.content.iter_any():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b""})
+            answer = await self.upstreams.post(spec.url, request.path, headers, payload, timeout_s)
+            status = answer.status
+            code = str(status)
+            # A 503 with Retry-After is a backend shedding load (a busy Spillway agent, Triton's queue full):
+            # retried elsewhere like any 503, but no mark against the backend's health (unlike Envoy).
+            busy = status == 503 and answer.header(b"retry-after") is not None
+            if status >= 500 and not busy:
+                failure, error = "status_5xx", f"answered {status}"
+            if status in RETRIABLE_STATUS:
+                kept = await answer.read(_ERROR_BODY_LIMIT)
+                passed = tuple((k, v) for k, v in answer.headers if k in _PASSED_ON and k != b"content-length")
+                kind = "busy" if busy else "status_5xx"
+                return Failure(kind, f"backend '{spec.name}' answered {status}", spec, status, kept, passed)
+            extra = answer_headers(spec, attempt)
+            if translated is not None and status == 200:
+                raw = await answer.read()
+                try:
+                    body, length = response_from_json(raw, translated)
+                except TranslationError as exc:
+                    failure, error = "bad_response", str(exc)[:300]
+                    raise BadBackendResponse(f"backend '{spec.name}': {exc}", {"backend": spec.name}) from None
+                ctype = b"application/octet-stream" if length is not None else JSON
+                extra += [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+                if length is not None:
+                    extra.append((b"inference-header-content-length", str(length).encode()))
+                await send({"type": "http.response.start", "status": 200, "headers": extra})
+                await send({"type": "http.response.body", "body": body})
                 return None
-        except asyncio.TimeoutError:
+            passed_on = [(k, v) for k, v in answer.headers if k in _PASSED_ON]
+            start = {"type": "http.response.start", "status": status, "headers": passed_on + extra}
+            if answer.complete:  # the whole answer came with its head (a small one): one message for the body
+                body = await answer.read()
+                await send(start)
+                streaming = True
+                await send({"type": "http.response.body", "body": body})
+                return None
+            await send(start)
+            streaming = True
+            async for chunk in answer.chunks_as_they_come():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            return None
+        except UpstreamTimeout:
             failure, code, error = "timeout", "timeout", f"no answer within {timeout_s * 1000:.0f} ms"
-        except aiohttp.ClientConnectorError as exc:
-            failure, code, error = "connect", "connect", f"could not connect: {exc.os_error}"
-        except aiohttp.ClientError as exc:
-            failure, code, error = "reset", "reset", f"connection failed: {type(exc).__name__}: {exc}"
+        except UpstreamConnect as exc:
+            failure, code, error = "connect", "connect", f"could not connect: {exc}"
+        except UpstreamReset as exc:
+            failure, code, error = "reset", "reset", f"connection failed: {exc}"
         finally:
+            if answer is not None:
+                answer.release()
             seconds = self.clock() - began
             instruments.outstanding.dec()
             instruments.attempt(code, failure, seconds)
