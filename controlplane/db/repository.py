@@ -10,10 +10,11 @@ import binascii
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel, SecretStr, ValidationError
-from sqlalchemy import Select, func, select
+from sqlalchemy import Insert, Select, Table, func, insert, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
@@ -127,6 +128,41 @@ def record_event(
     )
     session.add(event)
     return event
+
+
+def event_values(
+    *,
+    kind: str,
+    actor: Actor,
+    subject_type: str,
+    subject_id: str | None = None,
+    agent_id: str | None = None,
+    rule_id: str | None = None,
+    data: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The row `record_event` would write, stamped now, for `insert_events` (many events at once)."""
+    return {"kind": kind, "actor": actor.name, "subject_type": subject_type, "subject_id": subject_id,
+            "agent_id": agent_id, "rule_id": rule_id, "reason": actor.reason, "data": data or {},
+            "ts": utcnow()}  # fmt: skip
+
+
+def insert_events(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Write `event_values` rows in one statement (executemany), in list order: ids grow in that order, as they
+    would have with one `record_event` after another."""
+    if rows:
+        session.execute(insert(cast(Table, Event.__table__)), rows)
+
+
+def upsert(session: Session, table: Table, keys: Sequence[str], where: Callable[[Any], Any] | None = None) -> Insert:
+    """`INSERT ... ON CONFLICT (keys) DO UPDATE SET <every other column> = excluded.<column> [WHERE ...]` in the
+    session's dialect (SQLite and PostgreSQL spell it alike, but each has its own construct). `where`, given the
+    `excluded` columns, limits which stored rows the update may change (a conflicting row it refuses stays as it
+    is and returns nothing to a `RETURNING`)."""
+    dialect = session.get_bind().dialect.name
+    stmt: Any = postgresql.insert(table) if dialect == "postgresql" else sqlite.insert(table)
+    columns = {c.name: stmt.excluded[c.name] for c in table.columns if c.name not in keys}
+    guard = None if where is None else where(stmt.excluded)
+    return stmt.on_conflict_do_update(index_elements=list(keys), set_=columns, where=guard)
 
 
 def _event_links(kind: ResourceKind[Any], row: Any) -> dict[str, str]:

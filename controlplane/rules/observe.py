@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy.orm import Session
 
-from controlplane.query import Rollup, read_rollups
+from controlplane.query import Rollup, RollupReader
 from controlplane.schemas.rules import (
     BurnRateCondition,
     Condition,
@@ -156,14 +156,15 @@ class AgentGauges:
         unknown_kind(metric)
 
 
-def read_gauges(session: Session, now: datetime) -> dict[str, AgentGauges]:
+def read_gauges(session: Session, now: datetime, reader: RollupReader | None = None) -> dict[str, AgentGauges]:
     """Every agent's latest gauge readings from the rollups of the current and the previous minute, and its
-    preemptions of the previous (the last whole) minute."""
+    preemptions of the previous (the last whole) minute. The control loop keeps one `reader` across cycles, so
+    each series' attributes are decoded once, not every cycle."""
     since = now.replace(second=0, microsecond=0) - timedelta(minutes=1)
     latest: dict[tuple[str, str], Rollup] = {}
     gauges: dict[str, AgentGauges] = defaultdict(AgentGauges)
     metrics = (*GAUGE_METRICS, *COUNTER_METRICS)
-    for rollup in read_rollups(session, since=since, metrics=metrics, kinds=("gauge", "sum")):
+    for rollup in (reader or RollupReader()).read(session, since=since, metrics=metrics, kinds=("gauge", "sum")):
         if rollup.kind == "sum":
             if rollup.metric == PREEMPTIONS:  # the last whole minute's; a later one (still counting) says "reporting"
                 model = str(rollup.attributes.get(ATTR_MODEL))

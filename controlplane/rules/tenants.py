@@ -4,9 +4,9 @@ The control loop composes them into every document it publishes (`tenants_by_age
 its tokens republishes, in the same transaction as the change, the documents whose tenants it changes
 (`republish`): a new version for exactly the agents affected, so an agent polling with its ETag sees it at once.
 
-Both lock the stored documents (`locked_policies`, `SELECT ... FOR UPDATE` on PostgreSQL, in agent order) before
-they read the tenants, so a change and a control-loop cycle take turns and neither publishes a version the other
-has already used.
+Both lock the stored documents (`locked_policies`, `locked_policy_tags`: `SELECT ... FOR UPDATE` on PostgreSQL, in
+agent order) before they read the tenants, so a change and a control-loop cycle take turns and neither publishes a
+version the other has already used.
 """
 
 from __future__ import annotations
@@ -75,6 +75,13 @@ def locked_policies(session: Session) -> dict[str, Policy]:
     return {row.agent_id: row for row in session.scalars(query)}
 
 
+def locked_policy_tags(session: Session) -> dict[str, tuple[int, str]]:
+    """Every stored document's version and ETag, the rows locked as `locked_policies` locks them (the documents
+    themselves are not read: the control loop reads only those it cannot tell apart by their ETag)."""
+    query = select(Policy.agent_id, Policy.version, Policy.etag).order_by(Policy.agent_id).with_for_update()
+    return {agent_id: (version, etag) for agent_id, version, etag in session.execute(query)}
+
+
 def republish(session: Session, actor: Actor, defaults: PolicyDefaults) -> dict[str, int]:
     """After a change to tenants (not yet committed): a new version of every stored document whose tenants differ
     from what the tenants now say, with an event each. Returns agent id -> the version published.
@@ -116,4 +123,12 @@ def republish(session: Session, actor: Actor, defaults: PolicyDefaults) -> dict[
     return published
 
 
-__all__ = ["Placed", "locked_policies", "placed_tenants", "republish", "tenants_by_agent", "tenants_for"]
+__all__ = [
+    "Placed",
+    "locked_policies",
+    "locked_policy_tags",
+    "placed_tenants",
+    "republish",
+    "tenants_by_agent",
+    "tenants_for",
+]

@@ -56,3 +56,17 @@ def test_agents_poll_their_own_policy_with_etags(api: Api) -> None:
     policy = PolicyDocument.model_validate_json(changed.content)
     assert policy.version == 2 and policy.for_model("mlp").shed is not None
     assert policy.for_model("mlp").shed.at_or_below == 2 and [c.name for c in policy.causes] == ["hot"]
+
+
+def test_the_304_path_answers_only_for_a_stored_document_of_an_existing_agent(api: Api) -> None:
+    made = api.call("POST", "/api/v1/agents", json=make_agent(name="a1")).json()
+    me = {"Authorization": f"Bearer {made['token']}"}
+    path = f"/api/v1/agents/{made['agent']['id']}/policy"
+    # No document stored yet (the loop has not run): whatever ETag the agent sends, it gets its first document.
+    first = api.client.get(path, headers={**me, "If-None-Match": '"held-from-elsewhere"'})
+    assert first.status_code == 200 and parse(first.content).version == 1
+    etag = first.headers["etag"]
+    tags = f'"other", {etag}'  # a list of tags: any one of them matches
+    assert api.client.get(path, headers={**me, "If-None-Match": tags}).status_code == 304
+    missing = api.call("GET", "/api/v1/agents/0000000000000000/policy", role="viewer", headers={"If-None-Match": etag})
+    assert missing.status_code == 404
