@@ -83,11 +83,27 @@ class Settings:
     write: bool
     server_core: int
     client_cores: frozenset[int]
+    cores: frozenset[int]  # every core this script may use (its affinity at the start)
     max_exports_per_s: float
     max_concurrent: int
     baseline: str | None
     rounds: int
+    acks: tuple[str, ...]
+    workers: tuple[int, ...]
+    profile_seconds: int
+    drain_s: float
     argv: tuple[str, ...]
+
+    def server_cores(self, workers: int) -> list[int]:
+        """The server's cores: `--server-core` and, for more workers, the next ones (wrapping round)."""
+        cores = sorted(self.cores)
+        first = cores.index(self.server_core)
+        return sorted({cores[(first + i) % len(cores)] for i in range(workers)})
+
+    def client_cores_for(self, workers: int) -> frozenset[int]:
+        """The client's cores: those the server leaves, or every core when it takes them all."""
+        rest = self.cores - set(self.server_cores(workers))
+        return frozenset(rest or self.cores)
 
 
 def parse_args(argv: list[str]) -> Settings:
@@ -125,6 +141,26 @@ def parse_args(argv: list[str]) -> Settings:
         "side by side with the working tree's, alternating",
     )
     parser.add_argument("--rounds", type=int, default=1, help="measurements per control plane and backend")
+    parser.add_argument(
+        "--acks",
+        default="logged,applied",
+        help="SPILLWAY_INGEST_ACK values to measure side by side: logged (answered once in the ingest log), "
+        "applied (answered once in the rollups)",
+    )
+    parser.add_argument(
+        "--workers",
+        default="1,2",
+        help="PostgreSQL: `serve --workers N` values, comma-separated (N workers on N cores); SQLite always runs one",
+    )
+    parser.add_argument(
+        "--profile-seconds",
+        type=int,
+        default=0,
+        help="py-spy the server (its first worker) for this long in the middle of each SQLite window; 0: no profile",
+    )
+    parser.add_argument(
+        "--drain-s", type=float, default=60.0, help="after the window, how long the rollups may take to catch up"
+    )
     args = parser.parse_args(argv)
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     unknown = set(backends) - {"sqlite", "postgres"}
@@ -135,6 +171,15 @@ def parse_args(argv: list[str]) -> Settings:
     cores = set(os.sched_getaffinity(0))
     if args.server_core not in cores or len(cores) < 2:
         parser.error(f"needs the server core {args.server_core} and at least one other among {sorted(cores)}")
+    acks = tuple(a.strip() for a in args.acks.split(",") if a.strip())
+    if not acks or set(acks) - {"logged", "applied"}:
+        parser.error(f"--acks takes logged and/or applied, not {args.acks!r}")
+    try:
+        workers = tuple(int(w) for w in args.workers.split(",") if w.strip())
+    except ValueError:
+        parser.error(f"--workers takes numbers, not {args.workers!r}")
+    if not workers or min(workers) < 1 or max(workers) > len(cores):
+        parser.error(f"--workers: each between 1 and the {len(cores)} cores")
     return Settings(
         agents=args.agents,
         seconds=args.seconds,
@@ -145,10 +190,15 @@ def parse_args(argv: list[str]) -> Settings:
         write=args.write,
         server_core=args.server_core,
         client_cores=frozenset(cores - {args.server_core}),
+        cores=frozenset(cores),
         max_exports_per_s=args.max_exports_per_s,
         max_concurrent=args.max_concurrent or max(8, args.agents),
         baseline=args.baseline,
         rounds=args.rounds,
+        acks=acks,
+        workers=workers,
+        profile_seconds=args.profile_seconds,
+        drain_s=args.drain_s,
         argv=tuple(argv),
     )
 
@@ -240,6 +290,22 @@ class Tree:
 WORKING_TREE = Tree("working tree")
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (the workers of `serve --workers N`), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                parents.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo += parents.get(current, [])
+    return found
+
+
 @dataclass
 class ControlPlane:
     db: Database
@@ -249,10 +315,20 @@ class ControlPlane:
     proc: Process
     log_path: Path
     env: dict[str, str]
+    ack: str
+    workers: int
     agents: list[tuple[str, str]] = field(default_factory=list)  # (agent id, token)
 
+    def pids(self) -> list[int]:
+        """The serving processes: the one server, or the workers (and their idle supervisor)."""
+        return descendants(self.proc.pid)
+
     def cpu(self) -> float:
-        return cpu_seconds([self.proc.pid])
+        return cpu_seconds(self.pids())
+
+    def peak_rss(self) -> int:
+        """The largest peak RSS of one serving process."""
+        return max((vm_hwm(pid) for pid in self.pids()), default=0)
 
     def enrol(self, count: int) -> None:
         import httpx
@@ -268,8 +344,10 @@ class ControlPlane:
 
 
 @contextlib.contextmanager
-def control_plane(db: Database, tree: Tree, settings: Settings, work: Path) -> Iterator[ControlPlane]:
-    """Migrate, make an admin key, and serve on one core; stopped (SIGTERM to its own process group) on exit."""
+def control_plane(db: Database, tree: Tree, settings: Settings, work: Path, ack: str = "logged",
+                  workers: int = 1) -> Iterator[ControlPlane]:  # fmt: skip
+    """Migrate, make an admin key, and serve (`workers` processes, each core of `server_cores` shared by them);
+    stopped (SIGTERM to its own process group) on exit."""
     port = free_port()
     env = {
         **os.environ,
@@ -279,18 +357,37 @@ def control_plane(db: Database, tree: Tree, settings: Settings, work: Path) -> I
         "SPILLWAY_PORT": str(port),
         "SPILLWAY_LOG_LEVEL": "warning",
         "SPILLWAY_INGEST_MAX_CONCURRENT": str(settings.max_concurrent),
+        "SPILLWAY_INGEST_ACK": ack,
+        "SPILLWAY_INGEST_LOG_DIR": str(work / f"ingest-log-{db.name}"),
     }
     spillway("controlplane", "migrate", env=env)
     admin_key = spillway("controlplane", "create-key", "--role", "admin", "--name", "bench", env=env)
     log_path = work / f"controlplane-{db.name}.log"
-    command = ["taskset", "-c", str(settings.server_core), str(VENV_BIN / "spillway"), "controlplane", "serve",
-               "--no-migrate"]  # fmt: skip
+    cores = ",".join(map(str, settings.server_cores(workers)))
+    command = ["taskset", "-c", cores, str(VENV_BIN / "spillway"), "controlplane", "serve", "--no-migrate",
+               *(["--workers", str(workers)] if workers > 1 else [])]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     # Its own process group: stopped as a whole, and only what this script started.
     with Process.start(command, name="the control plane", log=log_path, append=False, env=env, group=True,
                        grace_s=20) as proc:  # fmt: skip
         proc.wait_ready(f"{url}/readyz", timeout_s=60, interval_s=0.2)
-        yield ControlPlane(db, tree, url, admin_key, proc, log_path, env)
+        plane = ControlPlane(db, tree, url, admin_key, proc, log_path, env, ack, workers)
+        deadline = time.monotonic() + 60
+        while listening(port) < workers:  # every worker's socket, or the agents' connections miss the late ones
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{workers} workers did not all listen on {port}; see {log_path}")
+            time.sleep(0.2)
+        yield plane
+
+
+def listening(port: int) -> int:
+    """Listening TCP sockets on `port` (one per worker with SO_REUSEPORT), from /proc/net/tcp."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1].endswith(f":{port:04X}") and fields[3] == "0A":
+            count += 1
+    return count
 
 
 # ---- what the agents send: the real SDK's exports -------------------------------------------------
@@ -576,6 +673,8 @@ class IngestResult:
     backend: str
     tree: str
     round: int
+    ack: str
+    workers: int
     agents: int
     series_per_agent: int
     export_bytes: int
@@ -583,7 +682,9 @@ class IngestResult:
     empty: LoadResult | None
     consistent: bool
     consistency: str
+    drain_s: float  # after the window: until the rollups held every acknowledged export
     server_peak_rss: int
+    profile: dict[str, Any] | None = None
 
     @property
     def accepted(self) -> int:
@@ -596,6 +697,17 @@ class IngestResult:
     @property
     def median_per_second(self) -> float:
         return median(self.load.per_second_points, empty=0.0)
+
+    @property
+    def applied_per_s(self) -> float:
+        """At least this many points/s reached the rollups: every point answered in the window was applied by
+        the end of the drain."""
+        return self.accepted / (self.load.window_s + self.drain_s)
+
+    @property
+    def label(self) -> str:
+        workers = f", {self.workers} workers" if self.workers > 1 else ""
+        return f"{self.backend}, ack {self.ack}{workers}, {self.tree}"
 
 
 def check_rollups(plane: ControlPlane, exports: list[list[Export]], last_ok: list[int]) -> tuple[bool, str]:
@@ -630,9 +742,40 @@ def check_rollups(plane: ControlPlane, exports: list[list[Export]], last_ok: lis
     return True, f"all {len(last_ok)} agents match after {checked} acknowledged exports"
 
 
-def bench_ingest(plane: ControlPlane, settings: Settings, round_: int, ceiling: bool) -> IngestResult:
-    per_agent = int(settings.max_exports_per_s * (settings.warmup_s + settings.seconds) / settings.agents) + 2
-    name = f"{plane.db.backend}, {plane.tree.label}"
+def wait_for_rollups(plane: ControlPlane, exports: list[list[Export]], last_ok: list[int],
+                     limit_s: float) -> tuple[bool, str, float]:  # fmt: skip
+    """After the load: until the rollups hold every acknowledged export (at most `limit_s`); the check's verdict
+    and how long that took (with ack `logged` the answers run ahead of the applier)."""
+    started = time.monotonic()
+    while True:
+        consistent, consistency = check_rollups(plane, exports, last_ok)
+        waited = time.monotonic() - started
+        if consistent or waited > limit_s:
+            return consistent, consistency, waited
+        time.sleep(0.1)
+
+
+def profile_server(plane: ControlPlane, exports: list[list[Export]], last_ok: list[int], seconds: int,
+                   work: Path) -> dict[str, Any] | None:  # fmt: skip
+    """py-spy on the server (its first worker) for `seconds` of the same closed loop, after the measured window
+    (so the sampler's CPU is not in the table), each agent going on from its last acknowledged export."""
+    rest = [agent[k + 1 :] for agent, k in zip(exports, last_ok, strict=True)]
+    pid = plane.pids()[-1] if plane.workers > 1 else plane.proc.pid
+    raw = work / f"py-spy-{plane.db.name}.txt"
+    spy = subprocess.Popen(common.py_spy_command(pid, seconds, raw), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        run_load(plane, rest, 0.5, seconds + 1.0)
+    finally:
+        spy.wait(timeout=seconds + 30)
+    return common.summarise_profile(raw, seconds) if raw.exists() else None
+
+
+def bench_ingest(plane: ControlPlane, settings: Settings, round_: int, ceiling: bool, work: Path) -> IngestResult:
+    profiling = settings.profile_seconds if plane.db.backend == "sqlite" else 0
+    run_s = settings.warmup_s + settings.seconds + (profiling + 2 if profiling else 0)
+    per_agent = int(settings.max_exports_per_s * run_s / settings.agents) + 2
+    name = f"{plane.db.backend}, ack {plane.ack}, {plane.workers} worker(s), {plane.tree.label}"
     log(f"{name}: making {per_agent} exports for each of {settings.agents} agents with the SDK")
     t0 = time.monotonic()
     exports = make_all_exports(plane.agents, per_agent, workers=os.cpu_count() or 1)
@@ -642,9 +785,14 @@ def bench_ingest(plane: ControlPlane, settings: Settings, round_: int, ceiling: 
         f"{statistics.mean(sizes):.0f} bytes on average")  # fmt: skip
     log(f"{name}: {settings.warmup_s:g} s warm-up, then {settings.seconds:g} s measured")
     load = run_load(plane, exports, settings.warmup_s, settings.seconds)
-    consistent, consistency = check_rollups(plane, exports, load.last_acknowledged)
+    consistent, consistency, drain_s = wait_for_rollups(plane, exports, load.last_acknowledged, settings.drain_s)
     log(f"{name}: {load.exports} exports, {(load.points_sent - load.points_rejected) / load.window_s:.0f} "
-        f"points/s, server {load.server_cpu_cores:.2f} cores; {consistency}")  # fmt: skip
+        f"points/s, server {load.server_cpu_cores:.2f} cores; {consistency} "
+        f"({drain_s:.2f} s after the window)")  # fmt: skip
+    profile = None
+    if profiling:
+        log(f"{name}: py-spy for {profiling} s")
+        profile = profile_server(plane, exports, load.last_acknowledged, profiling, work)
     empty = None
     if ceiling and settings.empty_seconds > 0:
         blank = Export(_empty_export(), 0, 0.0, 0)
@@ -656,6 +804,8 @@ def bench_ingest(plane: ControlPlane, settings: Settings, round_: int, ceiling: 
         backend=plane.db.backend,
         tree=plane.tree.label,
         round=round_,
+        ack=plane.ack,
+        workers=plane.workers,
         agents=settings.agents,
         series_per_agent=max(series),
         export_bytes=int(statistics.mean(sizes)),
@@ -663,7 +813,9 @@ def bench_ingest(plane: ControlPlane, settings: Settings, round_: int, ceiling: 
         empty=empty,
         consistent=consistent,
         consistency=consistency,
-        server_peak_rss=vm_hwm(plane.proc.pid),
+        drain_s=drain_s,
+        server_peak_rss=plane.peak_rss(),
+        profile=profile,
     )
 
 
@@ -680,11 +832,12 @@ def _ms(value: float | None) -> str:
 def render_ingest(results: list[IngestResult], settings: Settings) -> list[str]:
     out: list[str] = []
     add = out.append
-    add("| backend | control plane | agents | series/agent | exports | data points/s (median of seconds) "
-        "| data points/s (overall) | p50 export (ms) | p99 export (ms) | rejected points | server CPU (cores) "
-        "| data points per server CPU-second | client CPU (cores) | PostgreSQL CPU (cores) | other CPU (cores) "
-        "| answers | rollups check |")  # fmt: skip
-    add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    add("| backend | ack | workers | control plane | agents | series/agent | exports | data points/s (median of "
+        "seconds) | data points/s (overall) | p50 export (ms) | p99 export (ms) | rollups caught up (s after the "
+        "window) | data points/s applied (at least) | rejected points | server CPU (cores) | data points per "
+        "server CPU-second | client CPU (cores) | PostgreSQL CPU (cores) | other CPU (cores) | answers "
+        "| rollups check |")  # fmt: skip
+    add("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for r in results:
         load = r.load
         statuses = ", ".join(f"{s}: {n}" for s, n in sorted(load.statuses.items()))
@@ -693,10 +846,11 @@ def render_ingest(results: list[IngestResult], settings: Settings) -> list[str]:
         pg = f"{load.postgres_cpu_cores:.2f}" if r.backend == "postgres" else "-"
         label = r.tree + (f" (round {r.round + 1})" if settings.rounds > 1 else "")
         per_cpu = r.points_per_s / load.server_cpu_cores if load.server_cpu_cores else 0.0
-        add(f"| {r.backend} | {label} | {r.agents} | {r.series_per_agent} | {load.exports} "
+        add(f"| {r.backend} | {r.ack} | {r.workers} | {label} | {r.agents} | {r.series_per_agent} | {load.exports} "
             f"| {r.median_per_second:,.0f} | {r.points_per_s:,.0f} | {_ms(percentile(load.latencies_ms, 50))} "
-            f"| {_ms(percentile(load.latencies_ms, 99))} | {load.points_rejected} | {load.server_cpu_cores:.2f} "
-            f"| {per_cpu:,.0f} | {load.client_cpu_cores:.2f} | {pg} | {load.other_cpu_cores:.2f} | {statuses} "
+            f"| {_ms(percentile(load.latencies_ms, 99))} | {r.drain_s:.2f} | {r.applied_per_s:,.0f} "
+            f"| {load.points_rejected} | {load.server_cpu_cores:.2f} | {per_cpu:,.0f} "
+            f"| {load.client_cpu_cores:.2f} | {pg} | {load.other_cpu_cores:.2f} | {statuses} "
             f"| {'ok' if r.consistent else '**WRONG**'} |")  # fmt: skip
     trees = list(dict.fromkeys(r.tree for r in results))
     if len(trees) > 1 or settings.rounds > 1:
@@ -704,44 +858,65 @@ def render_ingest(results: list[IngestResult], settings: Settings) -> list[str]:
         add("Medians over rounds" + (f", and {trees[-1]} against {trees[0]} (same run, alternating):"
                                      if len(trees) > 1 else ":"))  # fmt: skip
         add("")
-        add("| backend | " + " | ".join(f"{t}: data points/s" for t in trees) + " | "
+        add("| backend | ack | workers | " + " | ".join(f"{t}: data points/s" for t in trees) + " | "
             + " | ".join(f"{t}: p99 (ms)" for t in trees) + (" | ratio |" if len(trees) > 1 else " |"))  # fmt: skip
-        add("|---|" + "---:|" * (2 * len(trees) + (1 if len(trees) > 1 else 0)))
-        for backend in dict.fromkeys(r.backend for r in results):
-            rates = [median(r.points_per_s for r in results if r.backend == backend and r.tree == t)
-                     for t in trees]  # fmt: skip
-            p99s = [median(percentile(r.load.latencies_ms, 99) or 0.0 for r in results
-                                      if r.backend == backend and r.tree == t) for t in trees]  # fmt: skip
+        add("|---|---|---:|" + "---:|" * (2 * len(trees) + (1 if len(trees) > 1 else 0)))
+        for backend, ack, workers in dict.fromkeys((r.backend, r.ack, r.workers) for r in results):
+            same = [r for r in results if (r.backend, r.ack, r.workers) == (backend, ack, workers)]
+            rates = [median(r.points_per_s for r in same if r.tree == t) for t in trees]
+            p99s = [median(percentile(r.load.latencies_ms, 99) or 0.0 for r in same if r.tree == t) for t in trees]
             ratio = f" | **{rates[-1] / rates[0]:.2f}x** |" if len(trees) > 1 and rates[0] else " |"
-            add(f"| {backend} | " + " | ".join(f"{v:,.0f}" for v in rates) + " | "
+            add(f"| {backend} | {ack} | {workers} | " + " | ".join(f"{v:,.0f}" for v in rates) + " | "
                 + " | ".join(f"{v:.2f}" for v in p99s) + ratio)  # fmt: skip
     ceilings = [r for r in results if r.empty is not None]
     if ceilings:
         add("")
         add("The ceiling: the same closed loop with empty exports (an `ExportMetricsServiceRequest` without data "
-            "points: authentication, routing, the thread hops and the answer, but no ingest):")  # fmt: skip
+            "points: authentication, routing and the answer, but no ingest):")  # fmt: skip
         add("")
-        add("| backend | control plane | empty exports/s | p50 (ms) | p99 (ms) | server CPU (cores) "
+        add("| backend | ack | workers | control plane | empty exports/s | p50 (ms) | p99 (ms) | server CPU (cores) "
             "| server CPU per export (ms) | data points/s at 30 per export if ingest cost nothing |")  # fmt: skip
-        add("|---|---|---:|---:|---:|---:|---:|---:|")
+        add("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
         for r in ceilings:
             e = r.empty
             assert e is not None
             rate = e.exports / e.window_s
-            add(f"| {r.backend} | {r.tree} | {rate:,.0f} | {_ms(percentile(e.latencies_ms, 50))} "
-                f"| {_ms(percentile(e.latencies_ms, 99))} | {e.server_cpu_cores:.2f} "
+            add(f"| {r.backend} | {r.ack} | {r.workers} | {r.tree} | {rate:,.0f} "
+                f"| {_ms(percentile(e.latencies_ms, 50))} | {_ms(percentile(e.latencies_ms, 99))} "
+                f"| {e.server_cpu_cores:.2f} "
                 f"| {e.server_cpu_cores / rate * 1e3:.2f} | {rate * r.series_per_agent:,.0f} |")  # fmt: skip
     add("")
     for r in results:
-        target = " (target: >= 20,000 on SQLite)" if r.backend == "sqlite" else ""
+        target = " (target: >= 20,000 on SQLite, one core)" if r.backend == "sqlite" else ""
         rate = r.load.exports / r.load.window_s
-        add(f"- {r.backend}, {r.tree}{f', round {r.round + 1}' if settings.rounds > 1 else ''}: "
-            f"**{r.points_per_s:,.0f} data points/s**{target}; {rate:,.0f} exports/s of {r.export_bytes:,} bytes on "
-            f"average, {r.load.server_cpu_cores / rate * 1e3:.2f} ms of server CPU per export; per-second "
-            f"throughput min {min(r.load.per_second_points, default=0):,} / max "
-            f"{max(r.load.per_second_points, default=0):,}; rollups: {r.consistency}; server peak RSS "
-            f"{r.server_peak_rss / (1 << 20):.0f} MiB"
+        add(f"- {r.label}{f', round {r.round + 1}' if settings.rounds > 1 else ''}: "
+            f"**{r.points_per_s:,.0f} data points/s** answered{target}, at least {r.applied_per_s:,.0f}/s applied; "
+            f"{rate:,.0f} exports/s of {r.export_bytes:,} bytes on average, "
+            f"{r.load.server_cpu_cores / rate * 1e3:.2f} ms of server CPU per export; per-second throughput min "
+            f"{min(r.load.per_second_points, default=0):,} / max {max(r.load.per_second_points, default=0):,}; "
+            f"rollups: {r.consistency}, {r.drain_s:.2f} s after the window; server peak RSS "
+            f"{r.server_peak_rss / (1 << 20):.0f} MiB (per process)"
             + (f"; first errors: {'; '.join(r.load.errors)}" if r.load.errors else ""))  # fmt: skip
+    profiled = [r for r in results if r.profile]
+    for r in profiled:
+        assert r.profile is not None
+        add("")
+        add(f"Where the server's time goes ({r.label}; py-spy, {settings.profile_seconds} s at 200 Hz of the same "
+            "closed loop right after the measured window; self time of the innermost function):")  # fmt: skip
+        add("")
+        threads = ", ".join(f"{name}: {t['samples']}" for name, t in r.profile["threads"].items())
+        add(f"Samples per thread: {threads} (of {r.profile['expected_per_thread']} per fully busy thread).")
+        add("")
+        add("| thread | function | samples | share |")
+        add("|---|---|---:|---:|")
+        for row in r.profile["top"][:12]:
+            add(f"| {row['thread']} | `{row['function']}` | {row['samples']} | {row['share']:.1%} |")
+        add("")
+        add("Inclusive, per thread (the heaviest calls below the thread's run loop):")
+        add("")
+        for name, t in r.profile["threads"].items():
+            calls = "; ".join(f"`{f}` {n}" for f, n in t["inclusive"][:8])
+            add(f"- {name}: {calls}")
     return out
 
 
@@ -789,15 +964,21 @@ def render(settings: Settings, info: dict[str, str], started: dt.datetime, elaps
         f"{info['loadavg_start']} at the start, {info['loadavg_end']} at the end")  # fmt: skip
     pg = f", PostgreSQL {info['postgres']} (local, same machine)" if info.get("postgres") else ""
     add(f"- Software: Python {info['python']}, SQLite {info['sqlite']}{pg}; {info['software']}")
-    add(f"- Server: `taskset -c {settings.server_core} spillway controlplane serve` (one uvicorn process, one core), "
-        f"`SPILLWAY_LOG_LEVEL=warning` (no access log), `SPILLWAY_INGEST_MAX_CONCURRENT={settings.max_concurrent}`; "
-        f"SQLite in WAL mode on a local file; the PostgreSQL backends serving the benchmark's database pinned to "
-        f"core(s) {','.join(map(str, sorted(settings.client_cores)))} with the client once the server's "
-        "connections are open")  # fmt: skip
+    one = ",".join(map(str, settings.server_cores(1)))
+    rest = ",".join(map(str, sorted(settings.client_cores)))
+    add(f"- Server: `taskset -c {one} spillway controlplane serve` (one uvicorn process, one core); on PostgreSQL "
+        "also `serve --workers N` (N processes on one port, `SO_REUSEPORT`, on N cores: "
+        + ", ".join(f"{n} on core(s) {','.join(map(str, settings.server_cores(n)))}" for n in settings.workers)
+        + "); `SPILLWAY_LOG_LEVEL=warning` (no access log), "
+        f"`SPILLWAY_INGEST_MAX_CONCURRENT={settings.max_concurrent}`, `SPILLWAY_AGENT_AUTH_CACHE_S` at its default "
+        "(5 s); `SPILLWAY_INGEST_ACK=logged` (the answer once the export is in the process's ingest log, fsynced; "
+        "the rollups written just after by the applier thread) or `applied` "
+        "(the answer once the rollups are committed); SQLite in WAL mode on a local file; the PostgreSQL backends "
+        "serving the benchmark's database pinned with the client once the server's connections are open")  # fmt: skip
     add(f"- Load: {settings.agents} agents enrolled through `POST /api/v1/agents`, each sending with its own token "
         "over one keep-alive connection, closed loop (the next export when the previous one is answered), from "
-        f"this script on core(s) {','.join(map(str, sorted(settings.client_cores)))} (asyncio + uvloop, raw "
-        f"HTTP/1.1); {settings.warmup_s:g} s warm-up, {settings.seconds:g} s measured per backend")  # fmt: skip
+        f"this script on core(s) {rest} (every core when the workers take them all; asyncio + uvloop, raw "
+        f"HTTP/1.1); {settings.warmup_s:g} s warm-up, {settings.seconds:g} s measured per run")  # fmt: skip
     add("- Exports: made beforehand by the real OpenTelemetry SDK (the agent's `AgentTelemetry` instruments and "
         "views, fed by `ModelStats`, an `InMemoryMetricReader` with cumulative temporality, the OTLP exporter's "
         "`encode_metrics`): per agent `spillway.requests` (3 priorities x local/rejected/error), "
@@ -808,7 +989,10 @@ def render(settings: Settings, info: dict[str, str], started: dt.datetime, elaps
     add("- Data points/s counts what the server accepted: points sent in exports answered 200 minus their "
         "`partial_success.rejected_data_points`; \"median of seconds\" is the median over the measured window's "
         "whole seconds; the rollups check compares, per agent, the stored `spillway.requests` sum and "
-        "`spillway.request.duration` count with the cumulative values of its last acknowledged export")  # fmt: skip
+        "`spillway.request.duration` count with the cumulative values of its last acknowledged export, polled "
+        "after the window until they match (\"rollups caught up\": how long the applier needed beyond the "
+        "answers; \"applied (at least)\": the points answered in the window over the window plus that "
+        "time)")  # fmt: skip
     add("")
     out += render_ingest(ingest, settings)
     add("")
@@ -834,14 +1018,20 @@ def main(argv: list[str] | None = None) -> int:
         trees.insert(0, Tree.unpack(settings.baseline, work))
     ingest: list[IngestResult] = []
     for backend in settings.backends:
-        for round_ in range(settings.rounds):
-            for tree in trees if round_ % 2 == 0 else trees[::-1]:  # A B, then B A
-                with database(backend, settings, work) as db, control_plane(db, tree, settings, work) as plane:
-                    plane.enrol(settings.agents)
-                    ceiling = tree is WORKING_TREE and round_ == 0
-                    ingest.append(bench_ingest(plane, settings, round_, ceiling))
-                    # A second benchmark (SLO evaluation over what was just ingested) goes here, on the same plane.
-    ingest.sort(key=lambda r: (settings.backends.index(r.backend), r.tree != trees[0].label, r.round))
+        for workers in settings.workers if backend == "postgres" else (1,):  # SQLite has one writer: one process
+            os.sched_setaffinity(0, settings.client_cores_for(workers))
+            for round_ in range(settings.rounds):
+                for tree in trees if round_ % 2 == 0 else trees[::-1]:  # A B, then B A
+                    for ack in settings.acks if round_ % 2 == 0 else settings.acks[::-1]:
+                        with (
+                            database(backend, settings, work) as db,
+                            control_plane(db, tree, settings, work, ack, workers) as plane,
+                        ):
+                            plane.enrol(settings.agents)
+                            ceiling = tree is WORKING_TREE and round_ == 0 and ack == settings.acks[0]
+                            ingest.append(bench_ingest(plane, settings, round_, ceiling, work))
+    ingest.sort(key=lambda r: (settings.backends.index(r.backend), r.workers, settings.acks.index(r.ack),
+                               r.tree != trees[0].label, r.round))  # fmt: skip
     info["loadavg_end"] = loadavg()
     raw = {"settings": {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in asdict(settings).items()},
            "machine": info, "ingest": [asdict(r) for r in ingest]}  # fmt: skip

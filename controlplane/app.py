@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
+from anyio import to_thread
 from fastapi import APIRouter, FastAPI
 from pydantic import BaseModel
 from sqlalchemy import text
@@ -28,7 +29,7 @@ from controlplane.api import (
     tenants,
     whoami,
 )
-from controlplane.api.authn import Authenticate
+from controlplane.api.authn import AgentTokenCache, Authenticate
 from controlplane.api.deps import Viewer, require_admin, require_editor, require_viewer
 from controlplane.api.errors import install_error_handlers
 from controlplane.api.limits import BodyLimit
@@ -41,6 +42,7 @@ from controlplane.db.repository import ResourceKind
 from controlplane.db.session import make_engine, make_sessionmaker
 from controlplane.errors import ValidationFailed
 from controlplane.gateway import Gateway, GatewayConfig, GatewayDispatcher, gateway_router
+from controlplane.ingest.log import open_ingest_log
 from controlplane.ingest.receiver import Ingestor
 from controlplane.monitoring import ControlPlaneMetrics, HttpMetrics
 from controlplane.rules.loop import ControlLoop, Leadership, PolicyDefaults
@@ -169,6 +171,12 @@ def migrate_locked(engine: Any, url: str) -> None:
             conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _MIGRATION_LOCK})
 
 
+def _ingestor(factory: Any, settings: Settings) -> Ingestor:
+    """The receiver, with this process's ingest log (SPILLWAY_INGEST_ACK=logged) or none (`applied`)."""
+    return Ingestor(factory, max_series_per_agent=settings.max_series_per_agent,
+                    latency_buckets_ms=settings.latency_buckets_ms, log=open_ingest_log(settings))  # fmt: skip
+
+
 def prune_once(app: FastAPI, settings: Settings) -> int:
     """Delete minute rollups older than the retention; returns how many went."""
     from controlplane.db.session import transaction
@@ -178,10 +186,30 @@ def prune_once(app: FastAPI, settings: Settings) -> int:
         return prune(session, utcnow() - timedelta(days=settings.retention_days))
 
 
+async def _start_ingest(app: FastAPI, ingestor: Ingestor, retry_s: float = 5.0) -> asyncio.Task[None] | None:
+    """Start the receiver (replaying its log) before serving; when the database is not there yet (not migrated,
+    unreachable: /readyz says so) the API serves anyway, exports answer 503, and a task retries every `retry_s`."""
+
+    async def start() -> bool:
+        try:
+            await to_thread.run_sync(ingestor.start)
+        except Exception as exc:
+            log.warning("ingest: could not start (replay the ingest log) yet, retrying in %g s: %s", retry_s, exc)
+            return False
+        app.state.ingest_ready = True
+        return True
+
+    async def retry() -> None:
+        while True:
+            await asyncio.sleep(retry_s)
+            if await start():
+                return
+
+    return None if await start() else asyncio.create_task(retry())
+
+
 async def _retention_loop(app: FastAPI, settings: Settings, every_s: float = 3600.0) -> None:
     """Apply the retention once at start and then every hour, off the event loop."""
-    from anyio import to_thread
-
     while True:
         try:
             removed = await to_thread.run_sync(prune_once, app, settings)
@@ -195,14 +223,15 @@ async def _retention_loop(app: FastAPI, settings: Settings, every_s: float = 360
 
 async def _control_loop(app: FastAPI, every_s: float) -> None:
     """Every `every_s`: keep or try to take the leadership; the leader runs a cycle, off the event loop."""
-    from anyio import to_thread
-
     loop: ControlLoop = app.state.control_loop
     leadership: Leadership = app.state.leadership
     while True:
         try:
-            if await to_thread.run_sync(leadership.ensure):
+            leads = await to_thread.run_sync(leadership.ensure)
+            app.state.monitoring.loop_leader.set(1 if leads else 0)
+            if leads:
                 report = await to_thread.run_sync(loop.cycle)
+                app.state.monitoring.cycled(report.seconds)
                 if report.seconds > every_s:
                     log.warning("control loop: a cycle took %.2f s, longer than its %.1f s interval",
                                 report.seconds, every_s)  # fmt: skip
@@ -228,11 +257,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.slo_windows = SloWindows()
         app.state.control_loop = ControlLoop(app.state.sessionmaker, app.state.slo_windows, app.state.policy_defaults)
         app.state.leadership = Leadership(engine)
-        app.state.ingestor = Ingestor(app.state.sessionmaker, max_series_per_agent=settings.max_series_per_agent,
-                                      latency_buckets_ms=settings.latency_buckets_ms)  # fmt: skip
+        ingestor = _ingestor(app.state.sessionmaker, settings)
+        app.state.ingestor = ingestor
+        app.state.ingest_ready = False  # until the log is replayed: exports are answered 503
+        app.state.monitoring.watch_ingest(ingestor.stats)
+        starting = await _start_ingest(app, ingestor)  # replays what the ingest log holds unapplied, before serving
         app.state.ingest_slots = asyncio.Semaphore(settings.ingest_max_concurrent)
         app.state.retention_passes = 0
         tasks = [asyncio.create_task(_retention_loop(app, settings))]
+        if starting is not None:
+            tasks.append(starting)
         if settings.control_loop_interval_s > 0:
             tasks.append(asyncio.create_task(_control_loop(app, settings.control_loop_interval_s)))
         try:
@@ -243,6 +277,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await gateway.close()
+            await to_thread.run_sync(ingestor.close)  # applies what is queued, releases the log slot
             app.state.leadership.release()
             engine.dispose()
 
@@ -267,16 +302,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     # Added last is outermost. Inference to the gateway first, on its own fast path (its own authentication,
     # body limit and metrics); everything else: count every request, refuse oversized bodies, authenticate, route.
-    app.add_middleware(Authenticate)
+    app.state.agent_tokens = AgentTokenCache(settings.agent_auth_cache_s)
+    app.add_middleware(Authenticate, cache=app.state.agent_tokens)
     app.add_middleware(
         BodyLimit, max_bytes=settings.max_body_bytes, per_path={"/v1/metrics": settings.ingest_max_body_bytes}
     )
     app.add_middleware(HttpMetrics, metrics=app.state.monitoring)
     app.add_middleware(GatewayDispatcher, gateway=gateway)
     app.include_router(status.probes)
+    app.include_router(ingest.router, responses=ERROR_RESPONSES)  # the hot path: matched first
     app.include_router(monitoring.router, responses=ERROR_RESPONSES)
     app.include_router(_api_router(settings, gateway))
-    app.include_router(ingest.router, responses=ERROR_RESPONSES)
     app.include_router(gateway_router())
 
     @app.get("/api/v1/openapi.json", include_in_schema=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
@@ -115,6 +116,53 @@ class GatewayTenantCollector(Collector):
         )
 
 
+class IngestCollector(Collector):
+    """The OTLP receiver's statistics (`Ingestor.stats()`) read at scrape time: `spillway_ingest_<name>`, a gauge
+    (what is queued, how old, the log's size) or a counter (`_total`: exports submitted, applied, replayed ...)."""
+
+    PREFIX = "spillway_ingest_"
+    GAUGES = {
+        "queued_exports": "exports acknowledged or taken and not yet applied to the rollups",
+        "oldest_unapplied_s": "age of the oldest export not yet applied (seconds)",
+        "log_bytes": "size of this process's ingest log (segments not yet deleted)",
+    }
+    COUNTERS = {
+        "submitted_exports": "exports taken by this process (folded, logged, queued)",
+        "applied": "exports applied to the rollups",
+        "failed": "exports the store failed to apply",
+        "batches": "applier transactions",
+        "replayed": "ingest-log records replayed at start",
+        "replay_failed": "ingest-log records that could not be replayed",
+        "log_cut_records": "torn records cut from the ingest log's tail at start",
+        "stale_batches": "applier batches redone because another replica had written their streams",
+    }
+
+    def __init__(self) -> None:
+        self.stats: Callable[[], Mapping[str, float]] | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        for name, text in self.GAUGES.items():
+            yield GaugeMetricFamily(self.PREFIX + name, text)
+        for name, text in self.COUNTERS.items():
+            yield CounterMetricFamily(self.PREFIX + name, text)
+
+    def collect(self) -> Iterable[Metric]:
+        if self.stats is None:  # before the app's lifespan started the receiver
+            return
+        try:
+            stats = dict(self.stats())
+        except Exception:  # the other metrics still go out
+            log.warning("could not read the ingest statistics for /metrics", exc_info=True)
+            return
+        for name, value in sorted(stats.items()):
+            metric = self.PREFIX + re.sub(r"[^a-z0-9_]", "_", name.lower())
+            if name in self.COUNTERS:
+                family: Metric = CounterMetricFamily(metric, self.COUNTERS[name], value=float(value))
+            else:
+                family = GaugeMetricFamily(metric, self.GAUGES.get(name, f"the OTLP receiver's {name}"), float(value))
+            yield family
+
+
 GATEWAY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -193,6 +241,20 @@ class ControlPlaneMetrics:
         )
         for result in ("accepted", "rejected"):
             self.ingest_points.labels(result)  # both series exist from the start, at 0
+        self.loop_cycles = Histogram(
+            "spillway_control_loop_cycle_seconds",
+            "time one control-loop cycle took (rules, SLOs, policies written), in the replica that leads",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
+            registry=self.registry,
+        )
+        self.loop_last_cycle = Gauge(
+            "spillway_control_loop_last_cycle_seconds", "the last control-loop cycle's duration (leader only)",
+            registry=self.registry,
+        )  # fmt: skip
+        self.loop_leader = Gauge(
+            "spillway_control_loop_leader", "1 while this process runs the control loop (holds the leadership)",
+            registry=self.registry,
+        )  # fmt: skip
         Info("spillway_controlplane", "the control plane's version", registry=self.registry).info(
             {"version": __version__}
         )
@@ -201,11 +263,21 @@ class ControlPlaneMetrics:
         GCCollector(registry=self.registry)
         self.registry.register(AgentStatusCollector(sessions, stale_after_s))
         self.gateway = GatewayMetrics(self.registry)
+        self.ingest = IngestCollector()
+        self.registry.register(self.ingest)
+
+    def watch_ingest(self, stats: Callable[[], Mapping[str, float]]) -> None:
+        """Read the receiver's statistics (`Ingestor.stats`) at each scrape."""
+        self.ingest.stats = stats
 
     def observe_http(self, route: str, method: str, status: int, seconds: float) -> None:
         method = method if method in _METHODS else "other"
         self.http_requests.labels(route, method, str(status)).inc()
         self.http_duration.labels(route, method).observe(seconds)
+
+    def cycled(self, seconds: float) -> None:
+        self.loop_cycles.observe(seconds)
+        self.loop_last_cycle.set(seconds)
 
     def ingested(self, accepted: int, rejected: int) -> None:
         self.ingest_points.labels("accepted").inc(accepted)
@@ -250,4 +322,5 @@ __all__ = [
     "GatewayMetrics",
     "GatewayTenantCollector",
     "HttpMetrics",
+    "IngestCollector",
 ]

@@ -108,6 +108,14 @@ def make_keys(url: str) -> dict[str, str]:
         engine.dispose()
 
 
+@pytest.fixture(autouse=True)
+def _ingest_log_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's control planes keep their ingest log under its tmp_path (never in ~/.local/state), also those
+    started as processes (they inherit the variable)."""
+    if "SPILLWAY_INGEST_LOG_DIR" not in os.environ:
+        monkeypatch.setenv("SPILLWAY_INGEST_LOG_DIR", str(tmp_path / "ingest-log"))
+
+
 def open_api(url: str, **settings: object) -> Iterator[Api]:
     """The real app on `url`; its control loop runs only when a test drives it (or sets an interval)."""
     keys = make_keys(url)
@@ -139,6 +147,8 @@ class Plane:
     app: Any = None
 
     def rollups(self, metric: str) -> list[MetricRollup]:
+        if self.app is not None:  # what this plane acknowledged (ingest log) is applied before the read
+            self.app.state.ingestor.wait_applied(timeout=10)
         engine = make_engine(self.db)
         try:
             with make_sessionmaker(engine)() as session:

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, BeforeValidator, Field, WithJsonSchema
 
 from controlplane import query
-from controlplane.api.deps import SessionDep, SettingsDep, Viewer
+from controlplane.api.deps import FreshRollups, SessionDep, SettingsDep, Viewer
 from controlplane.schemas.common import Duration
 from spillway.contract.tenants import NAME_PATTERN
 
@@ -158,7 +158,8 @@ TenantFilter = Annotated[
 ]  # fmt: skip
 
 
-@router.get("/{item_id}/metrics", response_model=AgentMetrics, summary="An agent's recent telemetry")
+@router.get("/{item_id}/metrics", response_model=AgentMetrics, summary="An agent's recent telemetry",
+            dependencies=[FreshRollups])  # fmt: skip
 def agent_metrics(
     item_id: str, session: SessionDep, settings: SettingsDep, _: Viewer, window: Window = 300,
     tenant: TenantFilter = None,

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from controlplane.api.auth import Principal, authorize_agent, authorize_role
 from controlplane.db.repository import Actor
 from controlplane.errors import Unauthenticated
+from controlplane.ingest.receiver import Ingestor
 from controlplane.settings import Settings
 
 _bearer = HTTPBearer(auto_error=False, description="an operator API key or an agent token")
@@ -65,6 +66,21 @@ Viewer = Annotated[Principal, Depends(require_viewer)]
 Editor = Annotated[Principal, Depends(require_editor)]
 Admin = Annotated[Principal, Depends(require_admin)]
 AgentCaller = Annotated[Principal, Depends(require_agent)]
+
+READ_YOUR_WRITES_S = 2.0
+"""How long a rollup read waits, at most, for the exports this process acknowledged before it to be applied."""
+
+
+def _rollups_caught_up(request: Request) -> None:
+    """Read-your-writes for the rollup-reading endpoints: an export is answered once it is durable (in the ingest
+    log), its rollups are written just after; a read waits (in the thread pool, never on the event loop, at most
+    READ_YOUR_WRITES_S) until every export this process acknowledged before the read is in the rollups."""
+    ingestor: Ingestor = request.app.state.ingestor
+    ingestor.wait_applied(ingestor.accepted_seq, timeout=READ_YOUR_WRITES_S)
+
+
+FreshRollups = Depends(_rollups_caught_up)
+"""`dependencies=[FreshRollups]` on a route that reads rollups (agent metrics, status, history, SLO status)."""
 
 IfMatch = Annotated[
     str | None, Header(alias="If-Match", description="ETag from a GET; a stale one answers 412", max_length=512)

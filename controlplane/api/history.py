@@ -12,7 +12,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, BeforeValidator, Field, WithJsonSchema
 
 from controlplane.api.agent_metrics import TenantFilter, _seconds_in_query
-from controlplane.api.deps import SessionDep, SettingsDep, Viewer
+from controlplane.api.deps import FreshRollups, SessionDep, SettingsDep, Viewer
 from controlplane.db.models import Slo, utcnow
 from controlplane.errors import NotFound, Overloaded
 from controlplane.history import Steps, metrics_history
@@ -148,7 +148,7 @@ class SloHistory(BaseModel):
 
 
 @router.get("/agents/{item_id}/metrics/history", response_model=AgentHistory, tags=["agents"],
-            summary="An agent's telemetry per step")  # fmt: skip
+            summary="An agent's telemetry per step", dependencies=[FreshRollups])  # fmt: skip
 def agent_history(item_id: str, session: SessionDep, _: Viewer, window: WindowParam = None, step: StepParam = None,
                   model: ModelFilter = None, tenant: TenantFilter = None) -> Any:  # fmt: skip
     now = utcnow()
@@ -157,7 +157,8 @@ def agent_history(item_id: str, session: SessionDep, _: Viewer, window: WindowPa
         return metrics_history(session, steps, agent=item_id, now=now, model=model, tenant=tenant)
 
 
-@router.get("/metrics/history", response_model=FleetHistory, summary="The fleet's telemetry per step, agents summed")
+@router.get("/metrics/history", response_model=FleetHistory, summary="The fleet's telemetry per step, agents summed",
+            dependencies=[FreshRollups])  # fmt: skip
 def fleet_history(session: SessionDep, _: Viewer, window: WindowParam = None, step: StepParam = None,
                   model: ModelFilter = None, tenant: TenantFilter = None) -> Any:  # fmt: skip
     now = utcnow()
@@ -167,7 +168,8 @@ def fleet_history(session: SessionDep, _: Viewer, window: WindowParam = None, st
 
 
 @router.get("/slos/{item_id}/history", response_model=SloHistory, tags=["slos"],
-            summary="An SLO's events, SLI, budget left and burn rates per step")  # fmt: skip
+            summary="An SLO's events, SLI, budget left and burn rates per step",
+            dependencies=[FreshRollups])  # fmt: skip
 def history_of_slo(item_id: str, request: Request, session: SessionDep, settings: SettingsDep, _: Viewer,
                    window: WindowParam = None, step: StepParam = None) -> Any:  # fmt: skip
     if session.get(Slo, item_id) is None:

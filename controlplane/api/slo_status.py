@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
-from controlplane.api.deps import SessionDep, SettingsDep, Viewer
+from controlplane.api.deps import FreshRollups, SessionDep, SettingsDep, Viewer
 from controlplane.db import repository as repo
 from controlplane.errors import NotFound
 from controlplane.schemas.common import Duration
@@ -67,12 +67,13 @@ def evaluate(request: Request, session: Session, settings: Settings, slo_id: str
 def slo_status_router(kind: repo.ResourceKind[Any]) -> APIRouter:
     router = APIRouter(prefix="/api/v1/slos", tags=["slos"])
 
-    @router.get("/{item_id}/status", response_model=SloStatus, summary="SLI, error budget and burn rates now")
+    @router.get("/{item_id}/status", response_model=SloStatus, summary="SLI, error budget and burn rates now",
+                dependencies=[FreshRollups])  # fmt: skip
     def status(item_id: str, request: Request, session: SessionDep, settings: SettingsDep, _: Viewer) -> Any:
         repo.get_row(session, kind, item_id)  # 404 names the SLO
         return evaluate(request, session, settings, item_id).status()
 
-    @router.get("/{item_id}/agents", response_model=list[AgentSloStatus],
+    @router.get("/{item_id}/agents", response_model=list[AgentSloStatus], dependencies=[FreshRollups],
                 summary="The SLO per agent it selects, least budget left first")  # fmt: skip
     def per_agent(
         item_id: str,

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from controlplane import __version__
 from controlplane.access import agent_counts
 from controlplane.api.agent_metrics import Window
-from controlplane.api.deps import SessionDep, SettingsDep, Viewer
+from controlplane.api.deps import FreshRollups, SessionDep, SettingsDep, Viewer
 from controlplane.db.models import Agent, Backend, Rule, Slo, utcnow
 from controlplane.db.repository import count
 from controlplane.errors import ValidationFailed
@@ -260,7 +260,8 @@ def slo_states(request: Request, session: Session, max_age_s: float) -> list[dic
     return states
 
 
-@router.get("/status", response_model=FleetStatus, summary="Fleet summary: agents, live traffic, SLOs")
+@router.get("/status", response_model=FleetStatus, summary="Fleet summary: agents, live traffic, SLOs",
+            dependencies=[FreshRollups])  # fmt: skip
 def fleet_status(request: Request, session: SessionDep, settings: SettingsDep, _: Viewer, window: Window = 300) -> Any:
     if window > MAX_LIVE_WINDOW_S:
         raise ValidationFailed.field("query.window", "must be at most 1 day for the fleet's live figures")

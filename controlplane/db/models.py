@@ -244,3 +244,45 @@ class RuleState(Base):
     step: Mapped[int] = mapped_column(Integer, default=0)
     flaps: Mapped[list[Any]] = mapped_column(default=list)  # when it recovered, within the last hour
     data: Mapped[dict[str, Any]] = mapped_column(default=dict)  # the numbers of the last transition
+
+
+class IngestStream(Base):
+    """Where one cumulative OTLP stream of an agent stands: the last reading of its newest run (`start`; `earlier`:
+    the older runs still kept, JSON `[[start, time, count, total, buckets], ...]`). Read and written in the
+    transaction that adds the stream's deltas to the rollups, so every replica converts against the same state.
+    `start` NULL: a row made only to be locked (PostgreSQL), no reading yet. An applier may keep the rows it wrote in
+    memory: its next write of one is conditional on `version` being what it wrote, else it reads them again."""
+
+    __tablename__ = "ingest_streams"
+
+    agent_id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    stream: Mapped[str] = mapped_column(String(64), primary_key=True)  # the series as sent (with its layout)
+    start: Mapped[int | None] = mapped_column(BigInteger, default=None)  # start_time_unix_nano
+    time: Mapped[int | None] = mapped_column(BigInteger, default=None)  # time_unix_nano of the last point
+    count: Mapped[int] = mapped_column(BigInteger, default=0)  # histograms
+    total: Mapped[float] = mapped_column(Float, default=0.0)  # a sum's value, a histogram's sum
+    buckets: Mapped[str] = mapped_column(Text, default="[]")  # JSON list
+    earlier: Mapped[str] = mapped_column(Text, default="[]")
+    version: Mapped[int] = mapped_column(BigInteger, default=0)  # bumped by every write (an applier's cache checks it)
+
+
+class IngestLogPosition(Base):
+    """How far one ingest log (a process's slot, by the id in its folder) has been applied to the rollups: written
+    in the same transaction as the rollups of its records, so a replay applies each record exactly once."""
+
+    __tablename__ = "ingest_log_positions"
+
+    log_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    applied_seq: Mapped[int] = mapped_column(BigInteger, default=0)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class IngestHorizon(Base):
+    """One row: since when (ns) stream state is kept in `ingest_streams`. A run begun before it with no state may
+    have been counted by a control plane before 0008 (which kept the state in memory): its first point is a
+    baseline. 0 on a database that had no rollups when the table was made."""
+
+    __tablename__ = "ingest_horizon"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    since_ns: Mapped[int] = mapped_column(BigInteger)

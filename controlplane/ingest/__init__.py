@@ -1,4 +1,5 @@
-"""OTLP/HTTP metrics ingest: decoding, legacy attribute names, histogram bounds, cumulative-to-delta conversion per
-stream, minute rollups."""
+"""OTLP/HTTP metrics ingest: decoding, legacy attribute names, histogram bounds, the ingest log (exports durable
+before the answer, replayed after a crash), cumulative-to-delta conversion against state in the database, minute
+rollups."""
 
-__all__ = ["attributes", "bounds", "deltas", "receiver", "store"]
+__all__ = ["applier", "attributes", "bounds", "deltas", "log", "receiver", "store"]

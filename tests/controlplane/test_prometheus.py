@@ -163,3 +163,24 @@ def test_agents_not_seen_lately_are_stale(sqlite_url: str) -> None:
         engine.dispose()
         samples = scrape(client, keys["viewer"])
     assert [value(samples, "spillway_agents", status=s) for s in ("healthy", "stale", "never_seen")] == [1, 1, 1]
+
+
+def test_control_loop_cycles_and_leadership_are_exposed(sqlite_url: str) -> None:
+    """The leader's cycles are counted with their duration; the leadership gauge says which process runs them."""
+    import time
+
+    from tests.conftest import open_api
+
+    for api in open_api(sqlite_url, control_loop_interval_s=0.2):
+        key = api.keys["viewer"]
+        deadline = time.monotonic() + 30
+        samples = scrape(api.client, key)
+        while value(samples, "spillway_control_loop_cycle_seconds_count") < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            samples = scrape(api.client, key)
+        assert value(samples, "spillway_control_loop_cycle_seconds_count") >= 2
+        assert value(samples, "spillway_control_loop_leader") == 1  # SQLite: one process, always the leader
+        assert value(samples, "spillway_control_loop_last_cycle_seconds") > 0
+        assert value(samples, "spillway_control_loop_cycle_seconds_sum") >= value(
+            samples, "spillway_control_loop_last_cycle_seconds"
+        )
