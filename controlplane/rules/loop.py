@@ -26,6 +26,7 @@ from typing import Any, cast
 
 from sqlalchemy import Table, bindparam, delete, select, text
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.db.models import Agent, Policy, Rule, RuleState, Slo, utcnow
@@ -317,8 +318,14 @@ def current_policy(session: Session, agent_id: str, defaults: PolicyDefaults) ->
                                   export_interval_s=defaults.export_interval_s,
                                   poll_interval_s=defaults.poll_interval_s, tenants=tenants), 1)  # fmt: skip
     row = Policy(agent_id=agent_id, version=1, etag=etag, document=full, updated_at=utcnow())
-    session.add(row)
-    session.flush()
+    try:
+        with session.begin_nested():  # a savepoint: the loop (or another poll) may write the first one meanwhile
+            session.add(row)
+    except IntegrityError:  # it did: serve what it wrote
+        found = session.get(Policy, agent_id, populate_existing=True)
+        if found is None:  # not a race on this row: the error was something else
+            raise
+        return found
     return row
 
 

@@ -70,3 +70,35 @@ def test_the_304_path_answers_only_for_a_stored_document_of_an_existing_agent(ap
     assert api.client.get(path, headers={**me, "If-None-Match": tags}).status_code == 304
     missing = api.call("GET", "/api/v1/agents/0000000000000000/policy", role="viewer", headers={"If-None-Match": etag})
     assert missing.status_code == 404
+
+
+def test_a_first_policy_written_meanwhile_is_served_not_a_500(api: Api) -> None:
+    """A poll that found no document and writes the first one while the loop (or another poll) wrote it first
+    serves the stored one (it once answered 500 on the unique key under a fleet's polls)."""
+    from controlplane.db import make_engine, make_sessionmaker
+    from controlplane.db.models import Policy
+    from controlplane.rules.loop import PolicyDefaults, current_policy
+
+    agent_id = api.call("POST", "/api/v1/agents", json=make_agent()).json()["agent"]["id"]
+    engine = make_engine(api.url)
+    try:
+        factory = make_sessionmaker(engine)
+        defaults = PolicyDefaults(
+            buckets_ms=[10.0, 100.0], export_interval_s=5.0, poll_interval_s=5.0, stale_after_s=15.0
+        )
+        with factory() as first, first.begin():
+            stored = current_policy(first, agent_id, defaults)
+            etag = stored.etag
+        with factory() as late, late.begin():
+            real_get = late.get
+
+            def stale_get(entity, ident, **kwargs):  # type: ignore[no-untyped-def]
+                if entity is Policy and not kwargs:  # the read made before the other writer committed
+                    return None
+                return real_get(entity, ident, **kwargs)
+
+            late.get = stale_get  # type: ignore[method-assign]
+            served = current_policy(late, agent_id, defaults)
+            assert served.etag == etag and served.version == 1
+    finally:
+        engine.dispose()
