@@ -25,8 +25,8 @@ from datetime import datetime, timezone
 from typing import Any, cast
 
 from sqlalchemy import Table, bindparam, delete, select, text
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.db.models import Agent, Policy, Rule, RuleState, Slo, utcnow
@@ -317,15 +317,16 @@ def current_policy(session: Session, agent_id: str, defaults: PolicyDefaults) ->
     full, etag = document(compose(agent_id, [], buckets_ms=defaults.buckets_ms,
                                   export_interval_s=defaults.export_interval_s,
                                   poll_interval_s=defaults.poll_interval_s, tenants=tenants), 1)  # fmt: skip
-    row = Policy(agent_id=agent_id, version=1, etag=etag, document=full, updated_at=utcnow())
-    try:
-        with session.begin_nested():  # a savepoint: the loop (or another poll) may write the first one meanwhile
-            session.add(row)
-    except IntegrityError:  # it did: serve what it wrote
-        found = session.get(Policy, agent_id, populate_existing=True)
-        if found is None:  # not a race on this row: the error was something else
-            raise
-        return found
+    # The loop (or another poll) may write the first one meanwhile: insert unless there is one, then serve the
+    # stored row, whichever wrote it (no savepoint: pysqlite would commit one that opened the transaction).
+    dialect = sqlite if session.get_bind().dialect.name == "sqlite" else postgresql
+    session.execute(
+        dialect.insert(Policy)
+        .values(agent_id=agent_id, version=1, etag=etag, document=full, updated_at=utcnow())
+        .on_conflict_do_nothing(index_elements=["agent_id"])
+    )
+    row = session.get(Policy, agent_id, populate_existing=True)
+    assert row is not None  # inserted now, or by whoever won
     return row
 
 
