@@ -9,7 +9,6 @@ keys and every other path are checked against the database on each request (a re
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.api.auth import Principal, authenticate, authorize_agent
 from controlplane.errors import Unauthenticated
+from controlplane.gateway.tokens import TokenCache, credential_key
 
 PROBES = frozenset({"/healthz", "/readyz"})
 INGEST_PATH = "/v1/metrics"
@@ -32,41 +32,20 @@ def agent_hot_path(path: str) -> bool:
     )
 
 
-class AgentTokenCache:
-    """Verified agent tokens, each trusted until `ttl_s` after its check. Keyed by the SHA-256 of the raw header:
-    the secret itself is never kept. Bounded: past `max_entries` the expired entries go, then the oldest half."""
+class AgentTokenCache(TokenCache):
+    """Verified agent tokens, each trusted until `ttl_s` after its check: the gateway's cache (keyed by the
+    SHA-256 of the raw header, bounded), holding agents only (an operator key is checked on every request)."""
 
     def __init__(
         self, ttl_s: float, *, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self.clock = clock
-        self._entries: dict[bytes, tuple[float, Principal]] = {}
+        super().__init__(ttl_s, max_entries=max_entries, clock=clock)
 
-    @staticmethod
-    def key(authorization: bytes) -> bytes:
-        return hashlib.sha256(authorization).digest()
-
-    def get(self, key: bytes) -> Principal | None:
-        found = self._entries.get(key)
-        if found is None:
-            return None
-        if self.clock() >= found[0]:
-            del self._entries[key]
-            return None
-        return found[1]
+    key = staticmethod(credential_key)
 
     def put(self, key: bytes, principal: Principal) -> None:
-        if self.ttl_s <= 0 or principal.kind != "agent":
-            return
-        now = self.clock()
-        if len(self._entries) >= self.max_entries:
-            self._entries = {k: v for k, v in self._entries.items() if v[0] > now}
-            if len(self._entries) >= self.max_entries:
-                kept = sorted(self._entries.items(), key=lambda kv: kv[1][0])[self.max_entries // 2 :]
-                self._entries = dict(kept)
-        self._entries[key] = (now + self.ttl_s, principal)
+        if principal.kind == "agent":
+            super().put(key, principal)
 
 
 def _check(factory: sessionmaker[Session], header: bytes | None, note_agent: bool) -> Principal:
