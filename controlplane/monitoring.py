@@ -1,6 +1,6 @@
 """The control plane's own metrics, for Prometheus: HTTP requests per route template, OTLP data points ingested,
 agents by status, the overflow gateway per backend (and its refusals per tenant its `tenant_share` names;
-docs/gateway.md), and the process. Each app has its own registry (tests build many apps in one process).
+docs/overflow/gateway.md), and the process. Each app has its own registry (tests build many apps in one process).
 
 Labels are bounded: routes are templates (`/api/v1/slos/{item_id}`), never raw paths, and a request answered
 before or without routing (bad credentials, an oversized body, an unknown path) is `route="(unrouted)"`.

@@ -78,7 +78,7 @@ class Settings(BaseSettings):
     tls_certfile: str | None = Field(default=None, description="PEM certificate: set with the key file to serve HTTPS.")
     tls_keyfile: str | None = Field(default=None, description="PEM private key for `tls_certfile`.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Server log level.")
-    # The overflow gateway (docs/gateway.md).
+    # The overflow gateway (docs/overflow/gateway.md).
     gateway_refresh_s: float = Field(
         default=2.0, gt=0, le=3600, description="How often the gateway reloads the backends from the database."
     )

@@ -1,6 +1,6 @@
 """The overflow gateway: forwards Open Inference Protocol requests from edge agents to cloud backends, and relays
 OpenAI-compatible completions to `openai` backends stream by stream, with backend choice, active readiness checks,
-passive outlier ejection and retries (docs/gateway.md).
+passive outlier ejection and retries (docs/overflow/gateway.md).
 
 `create_app` makes one `Gateway` (`app.state.gateway`) and puts a `GatewayDispatcher` outermost; the lifespan
 starts and closes it.

@@ -12,7 +12,7 @@ differs is the answer, which is a stream of tokens:
   client one OpenAI-shaped error event and an end without `data: [DONE]`, never a stream that looks complete; the
   failure counts against the backend (outlier ejection).
 - What the gateway answers itself is OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, with
-  the gateway's precise reason in `spillway-reason` (docs/gateway.md); a tenant over its share of the backends
+  the gateway's precise reason in `spillway-reason` (docs/overflow/gateway.md); a tenant over its share of the backends
   (429, reason `tenant_quota`) gets OpenAI's rate-limit shape, `code: rate_limit_exceeded`, `type: requests`.
 - The request's tenant (`spillway-tenant`) is passed on and counted against each backend's `tenant_share`, as on the
   V2 path.
