@@ -29,12 +29,14 @@ class BreakerSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    slow_rt_ms: float = Field(default=1000.0, gt=0, description="an overflowed request slower than this is slow")
+    slow_rt_ms: float = Field(
+        default=1000.0, gt=0, description="an overflowed request slower than this (ms) counts as slow"
+    )
     slow_ratio: float | None = Field(default=0.5, gt=0, le=1, description="open above this share slow (null: never)")
     error_ratio: float | None = Field(default=0.5, gt=0, le=1, description="open above this share failed (null: never)")
     min_requests: int = Field(default=5, ge=1, description="judge no window with fewer requests than this")
-    stat_interval_s: float = Field(default=10.0, gt=0, description="the sliding window the ratios are over")
-    open_s: float = Field(default=5.0, gt=0, description="how long an open breaker refuses before one probe")
+    stat_interval_s: float = Field(default=10.0, gt=0, description="the sliding window the ratios are over (seconds)")
+    open_s: float = Field(default=5.0, gt=0, description="how long an open breaker refuses (seconds) before one probe")
 
 
 class OverflowSettings(BaseModel):
@@ -44,21 +46,35 @@ class OverflowSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(
-        default=False, description="overflow predicted deadline misses without a policy saying so (a policy wins)"
+        default=False, description="overflow predicted deadline misses even before any policy says so (a policy wins)"
     )
-    fraction: float = Field(default=0.0, ge=0, le=1, description="with enabled: overflow this share of the rest too")
+    fraction: float = Field(default=0.0, ge=0, le=1, description="with enabled: ... and this share of the rest")
     at_or_below: int | None = Field(
-        default=None, ge=1, le=64, description="with enabled: overflow every request at this priority level or lower"
+        default=None, ge=1, le=64, description="with enabled: ... and every request at this priority level or lower"
     )
-    gateway: str | None = Field(default=None, description="gateway base URL; default: the control plane")
-    max_in_flight: int = Field(default=256, ge=1, le=65536, description="requests overflowing at once, at most")
-    default_timeout_s: float = Field(default=30.0, gt=0, le=3600, description="for requests without a deadline")
-    breaker: BreakerSettings = Field(default_factory=BreakerSettings)
+    gateway: str | None = Field(
+        default=None,
+        description="gateway base URL; default: control_plane (whose gateway is POST <URL>/v2/models/{m}/infer)",
+    )
+    max_in_flight: int = Field(
+        default=256,
+        ge=1,
+        le=65536,
+        description="requests overflowing at once; beyond: fallbacks (reason overflow_busy)",
+    )
+    default_timeout_s: float = Field(
+        default=30.0, gt=0, le=3600, description="timeout (seconds) of requests without a deadline"
+    )
+    breaker: BreakerSettings = Field(
+        default_factory=BreakerSettings, description="the circuit breaker on overflowed requests' answers"
+    )
     default_outputs: dict[str, list[dict[str, Any]]] = Field(
-        default_factory=dict, description="model -> V2 output tensors answered as fallback_default"
+        default_factory=dict, description="model -> V2 output tensors answered as fallback_default when overflow fails"
     )
     cache_ttl_s: float | None = Field(
-        default=300.0, gt=0, description="answers older than this are not served as fallback_cache (None: no limit)"
+        default=300.0,
+        gt=0,
+        description="cached answers older than this (seconds) are not served as fallback_cache (null: no limit)",
     )
 
 
@@ -68,11 +84,17 @@ class AsyncJobSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    models: list[str] = Field(default_factory=list, description="models whose requests may be answered later")
-    max_jobs: int = Field(default=1000, ge=1, le=1_000_000, description="queued and running jobs, at most")
-    ttl_s: float = Field(default=3600.0, gt=0, description="a job not run within this long expires")
+    models: list[str] = Field(
+        default_factory=list,
+        description="models whose requests may be accepted as jobs when nothing else can answer",
+    )
+    max_jobs: int = Field(default=1000, ge=1, le=1_000_000, description="queued + running jobs, at most; beyond: 503")
+    ttl_s: float = Field(default=3600.0, gt=0, description="a job not run within this long (seconds) expires")
     drain_below: float = Field(
-        default=0.5, gt=0, le=4, description="run jobs while the model's utilisation is below this"
+        default=0.5,
+        gt=0,
+        le=4,
+        description="jobs run while the model's utilisation (running + queued batches per instance) is below this",
     )
 
 
@@ -82,14 +104,20 @@ class GenerationSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_num_seqs: int = Field(default=8, ge=1, le=1024, description="sequences running at once")
-    max_num_batched_tokens: int = Field(default=512, ge=1, description="tokens one step computes")
+    max_num_batched_tokens: int = Field(
+        default=512, ge=1, description="tokens one step computes (the step's token budget)"
+    )
     long_prefill_threshold: int = Field(default=128, ge=1, description="the largest prompt chunk of one step")
     block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV-cache block")
-    kv_budget_bytes: int | None = Field(default=None, gt=0, description="the KV cache's bytes (default: a share)")
-    kv_budget_share: float = Field(default=0.25, gt=0, le=1, description="share of free memory for the KV cache")
+    kv_budget_bytes: int | None = Field(
+        default=None, gt=0, description="the KV cache's bytes (default: kv_budget_share of the free memory)"
+    )
+    kv_budget_share: float = Field(
+        default=0.25, gt=0, le=1, description="share of the memory free at load for the KV cache"
+    )
     levels: int = Field(default=3, ge=1, le=16, description="priority levels (1 the highest)")
     default_level: int = Field(default=2, ge=1, description="the level of a request without a priority")
-    default_max_tokens: int = Field(default=256, ge=1, description="max_tokens of a chat request without one")
+    default_max_tokens: int = Field(default=256, ge=1, description="max_tokens of a chat request that sets none")
     fallback_text: str | None = Field(
         default=None, min_length=1, max_length=65536,
         description="the answer of a fallback `default` (policy mode default without default_text, overflow failed)",
@@ -97,10 +125,14 @@ class GenerationSettings(BaseModel):
     queue_policy: Literal["priority", "fcfs", "shortest_prompt_first"] = Field(
         default="priority", description="order of waiting requests: by level, by arrival, or shortest prompt first"
     )
-    aging_s: float | None = Field(default=None, gt=0, description="a request waiting this long goes first")
+    aging_s: float | None = Field(
+        default=None, gt=0, description="a request waiting this long (seconds) goes before every level"
+    )
 
     @model_validator(mode="after")
     def _levels_fit(self) -> GenerationSettings:
+        """`default_level` is one of the `levels`; `max_num_batched_tokens` is at least `max_num_seqs` (a decode
+        token for each)."""
         if self.default_level > self.levels:
             raise ValueError(f"default_level {self.default_level} is not one of the {self.levels} levels")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -123,6 +155,7 @@ class TenantConfig(TenantLimits):
 
     @model_validator(mode="after")
     def _has_a_token(self) -> TenantConfig:
+        """A tenant's name is not reserved (`default`, `other`), and it has a `token` or `token_sha256`."""
         if self.name in RESERVED_NAMES:
             raise ValueError(f"tenant name '{self.name}' is reserved")
         if self.token is None and not self.token_sha256:
@@ -154,8 +187,11 @@ class AgentConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_repository: Path
-    host: str = "127.0.0.1"
+    model_repository: Path = Field(
+        description="the model repository, in Triton's layout: <repo>/<model>/config.pbtxt (or config.yaml) and "
+        "<repo>/<model>/<version>/model.onnx"
+    )
+    host: str = Field(default="127.0.0.1", description="listen address of the HTTP and gRPC ports")
     # Triton's ports: HTTP 8000, gRPC 8001 (Triton's metrics port 8002 is not used: /metrics is on the HTTP port).
     # Until 0.2 the HTTP default was 8001; an agent whose config sets no `port` still answers HTTP/1.1 there for one
     # release (the legacy listener tells gRPC from HTTP/1.1 by the connection's first bytes).
@@ -164,75 +200,120 @@ class AgentConfig(BaseModel):
         default=8001, ge=0, le=65535, description="V2 gRPC port (needs spillway[grpc]); null: no gRPC"
     )
     token: SecretStr | None = Field(
-        default=None, description="bearer token the inference API requires: the operator's (the `default` tenant)"
+        default=None,
+        description="bearer token the API requires on every route but /v2/health/live (required beyond loopback): the "
+        "operator's (the `default` tenant)",
     )
     tenants: list[TenantConfig] = Field(
         default_factory=list, max_length=MAX_TENANTS,
-        description="applications sharing the agent: tokens, weight, quotas, priority ceiling (a policy may add more)",
+        description="applications sharing the agent: tokens, weight, quotas, priority ceiling (a policy may add more); "
+        "with any tenant a token is always required",
     )  # fmt: skip
-    allow_unauthenticated: bool = False
-    max_body_bytes: int = Field(default=64 << 20, gt=0)
-    intra_op_threads: int = Field(default=0, ge=0, description="onnxruntime threads per run; 0: all cores")
-    inter_op_threads: int = Field(default=1, ge=1)
-    providers: list[str] | None = Field(
-        default=None, description="onnxruntime providers to try in order; default TensorRT, CUDA, CPU as installed"
+    allow_unauthenticated: bool = Field(
+        default=False, description="serve beyond loopback without a token (not recommended)"
     )
-    device_id: int = Field(default=0, ge=0, description="GPU to use")
-    gpu_mem_limit: int | None = Field(default=None, gt=0, description="bytes the CUDA arena may take per session")
+    max_body_bytes: int = Field(default=64 << 20, gt=0, description="largest request body; larger requests get 413")
+    intra_op_threads: int = Field(default=0, ge=0, description="onnxruntime intra-op threads per session; 0: all cores")
+    inter_op_threads: int = Field(default=1, ge=1, description="onnxruntime inter-op threads per session")
+    providers: list[str] | None = Field(
+        default=None,
+        description="onnxruntime providers to try, in order, among those installed; default TensorRT, CUDA, CPU",
+    )
+    device_id: int = Field(default=0, ge=0, description="the GPU to use (CUDA device index)")
+    gpu_mem_limit: int | None = Field(
+        default=None, gt=0, description="bytes the CUDA arena may take per session (a bounded arena on GPU)"
+    )
     gpu_memory_budget_bytes: int | None = Field(
         default=None,
         gt=0,
         description="GPU memory all the agent's models together may take; a load beyond it is refused",
     )
-    max_queued_requests: int = Field(default=4096, ge=1)
-    aging_s: float | None = Field(default=None, gt=0, description="serve a request waiting this long first")
-    allow_non_finite: bool = Field(default=True, description="accept NaN/Inf in float inputs")
-    drain_timeout_s: float = Field(default=30.0, gt=0)
+    max_queued_requests: int = Field(
+        default=4096, ge=1, description="cap on queued requests per model version, whatever the model config says"
+    )
+    aging_s: float | None = Field(
+        default=None, gt=0, description="a request waiting this long (seconds) is served before higher levels"
+    )
+    allow_non_finite: bool = Field(default=True, description="accept NaN/Inf in float inputs (false: 400)")
+    drain_timeout_s: float = Field(
+        default=30.0, gt=0, description="longest a SIGTERM waits for queued requests (seconds)"
+    )
     # Telemetry: always on at GET /metrics (Prometheus); OTLP pushes to the control plane, `otlp_endpoints` or the
     # standard OTEL_EXPORTER_OTLP_* variables when one is set.
-    agent_id: str | None = Field(default=None, max_length=64, description="service.instance.id; default the host name")
-    device_class: str = Field(default="cpu", max_length=32)
-    labels: dict[str, str] = Field(default_factory=dict)
-    control_plane: str | None = Field(default=None, description="control plane base URL: metrics to /v1/metrics")
-    agent_token: SecretStr | None = Field(default=None, description="the agent's token from the control plane")
+    agent_id: str | None = Field(
+        default=None,
+        max_length=64,
+        description="the agent's id at the control plane: service.instance.id of its metrics, its policy's URL; "
+        "default: the host name",
+    )
+    device_class: str = Field(default="cpu", max_length=32, description="resource attribute spillway.device.class")
+    labels: dict[str, str] = Field(default_factory=dict, description="resource attributes spillway.label.<key>")
+    control_plane: str | None = Field(
+        default=None,
+        description="control plane base URL: OTLP metrics go to <URL>/v1/metrics, policies are polled from it (needs "
+        "agent_token)",
+    )
+    agent_token: SecretStr | None = Field(
+        default=None,
+        description="the agent's token from the control plane (--agent-token or SPILLWAY_AGENT_TOKEN), sent as "
+        "Authorization: Bearer",
+    )
     otlp_endpoints: list[str | OtlpEndpoint] = Field(
         default_factory=list,
-        description="more OTLP metrics endpoints (a URL, or {endpoint, headers, protocol}); default: the standard "
+        description="more OTLP metrics endpoints: a URL (a collector's http://host:4318/v1/metrics), or {endpoint, "
+        "headers, protocol}; default: the standard "
         "OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT variables",
     )
-    export_interval_s: float = Field(default=5.0, gt=0)
+    export_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="how often metrics are exported (seconds); unset: OTEL_METRIC_EXPORT_INTERVAL when that is set",
+    )
     latency_buckets_ms: list[float] = Field(
         default_factory=lambda: list(DEFAULT_LATENCY_BUCKETS_MS),
         min_length=1,
-        description="histogram boundaries; every SLO latency threshold should be one",
+        description="histogram boundaries of the duration metrics; make every SLO latency threshold one",
     )
 
     # Policy documents from the control plane (polled when `control_plane` is set) and what they may switch on.
     policy_poll_interval_s: float = Field(
-        default=5.0, gt=0, le=3600, description="how often to poll for the policy; a document's poll_interval_s wins"
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="how often to poll for the policy (seconds, jittered); a document's poll_interval_s wins",
     )
     state_dir: Path = Field(
         default_factory=lambda: default_state_dir(), description="where the last good policy document is cached"
     )
     default_versions: dict[str, int] = Field(
-        default_factory=dict, description="model -> the version requests without one get (default: the newest)"
+        default_factory=dict, description="model -> the version requests without one get (default: the newest served)"
     )
     fallback_cache_bytes: int = Field(
-        default=8 << 20, ge=0, description="bytes of recent answers kept for `cache` fallbacks; 0: none"
+        default=8 << 20,
+        ge=0,
+        description="size in bytes of the LRU of recent answers for `cache` fallbacks; 0: no cache",
     )
     load_headroom_bytes: int = Field(
-        default=256 << 20, ge=0, description="memory that must stay free when a variant loads beside a version"
+        default=256 << 20,
+        ge=0,
+        description="memory (bytes) that must stay free after a variant loads beside the running version",
     )
     # Overflow to the cloud and the fallbacks behind it.
     role: Literal["edge", "cloud"] = Field(
-        default="edge", description="cloud: a backend behind the gateway; it never overflows itself"
+        default="edge",
+        description="cloud: a backend behind the gateway (it never overflows itself; overflow must stay off)",
     )
-    overflow: OverflowSettings = Field(default_factory=OverflowSettings)
-    async_jobs: AsyncJobSettings = Field(default_factory=AsyncJobSettings)
-    generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    overflow: OverflowSettings = Field(
+        default_factory=OverflowSettings, description="overflow to the gateway, its circuit breaker and fallbacks"
+    )
+    async_jobs: AsyncJobSettings = Field(default_factory=AsyncJobSettings, description="the async queue")
+    generation: GenerationSettings = Field(
+        default_factory=GenerationSettings, description="how generative models are served"
+    )
 
     @model_validator(mode="after")
     def _tenants_unique(self) -> AgentConfig:
+        """No two tenants share a name, and no token (digest) belongs to two tenants."""
         check_unique(self.tenant_list())
         return self
 
@@ -242,6 +323,9 @@ class AgentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _overflow_fits_the_role(self) -> AgentConfig:
+        """`role: cloud` sets neither `overflow.enabled` nor `overflow.gateway`; `overflow.enabled` needs a gateway
+        (`overflow.gateway` or `control_plane`); `overflow.gateway` needs `agent_token` (the gateway serves enrolled
+        agents only)."""
         if self.role == "cloud" and (self.overflow.enabled or self.overflow.gateway):
             raise ValueError("role cloud: a cloud backend never overflows (remove overflow.enabled / overflow.gateway)")
         if self.overflow.enabled and self.overflow.gateway is None and self.control_plane is None:
@@ -258,6 +342,8 @@ class AgentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _telemetry_needs_a_token(self) -> AgentConfig:
+        """`control_plane` needs `agent_token` (the control plane accepts metrics only from agents); every
+        `latency_buckets_ms` boundary is positive."""
         if self.control_plane is not None and self.agent_token is None:
             raise ValueError("control_plane needs agent_token: the control plane accepts metrics only from agents")
         if any(b <= 0 for b in self.latency_buckets_ms):
@@ -305,6 +391,8 @@ class AgentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _auth_beyond_loopback(self) -> AgentConfig:
+        """A `host` beyond loopback needs a `token` (or tenants), or `--allow-unauthenticated` /
+        `allow_unauthenticated: true`."""
         if not is_loopback(self.host) and self.token is None and not self.tenants and not self.allow_unauthenticated:
             raise ValueError(
                 f"host {self.host} is beyond loopback: set a token (agent config `token`) "

@@ -124,7 +124,8 @@ def _log_config() -> dict[str, Any]:
 
 @controlplane_app.command()
 def migrate(revision: Annotated[str, typer.Option(help="target revision")] = "head") -> None:
-    """Upgrade the database schema (SPILLWAY_DATABASE_URL) to a revision, the newest by default."""
+    """Upgrade the database schema (SPILLWAY_DATABASE_URL) to a revision, the newest by default; each revision
+    applied is said on stderr with its duration."""
     from controlplane.db.migrate import migrate_to
 
     settings = _settings()
@@ -140,7 +141,8 @@ def _say_err(line: str) -> None:
 
 @controlplane_app.command()
 def downgrade(revision: Annotated[str, typer.Option(help="target revision, e.g. -1 or base")]) -> None:
-    """Downgrade the database schema to a revision."""
+    """Downgrade the database schema (SPILLWAY_DATABASE_URL) to a revision; each revision undone is said on stderr
+    with its duration."""
     from controlplane.db.migrate import downgrade_to
 
     undone = downgrade_to(_settings().database_url, revision, say=_say_err)
@@ -238,11 +240,13 @@ def _import_in_background(module: str) -> None:
 
 @agent_app.command("serve")
 def agent_serve(
-    model_repository: Annotated[Path | None, typer.Option(help="Triton-layout model repository")] = None,
+    model_repository: Annotated[
+        Path | None, typer.Option(help="Triton-layout model repository (or the config's model_repository)")
+    ] = None,
     host: Annotated[str | None, typer.Option(help="listen address (default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port (default 8000)")] = None,
     grpc_port: Annotated[int | None, typer.Option(help="V2 gRPC port (default 8001; -1: no gRPC)")] = None,
-    config: Annotated[Path | None, typer.Option(help="agent config YAML")] = None,
+    config: Annotated[Path | None, typer.Option(help="agent config YAML; command-line options win over it")] = None,
     allow_unauthenticated: Annotated[
         bool, typer.Option(help="serve beyond loopback without a token (not recommended)")
     ] = False,
