@@ -6,9 +6,11 @@ control-plane or dashboard command says which extra to install."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -130,7 +132,8 @@ def migrate(revision: Annotated[str, typer.Option(help="target revision")] = "he
 
     settings = _settings()
     started = time.monotonic()
-    applied = migrate_to(settings.database_url, revision, say=_say_err)
+    with _revision_errors(revision):
+        applied = migrate_to(settings.database_url, revision, say=_say_err)
     typer.echo(f"database at {revision} ({applied} revision{'s' if applied != 1 else ''} applied in "
                f"{time.monotonic() - started:.1f} s)", err=True)  # fmt: skip
 
@@ -139,13 +142,28 @@ def _say_err(line: str) -> None:
     typer.echo(line, err=True)
 
 
+@contextlib.contextmanager
+def _revision_errors(revision: str) -> Iterator[None]:
+    """Alembic's refusals (an unknown revision, a database stamped by a newer Spillway) as one line, exit 2."""
+    from alembic.util import CommandError
+
+    try:
+        yield
+    except CommandError as exc:
+        typer.echo(f"error: cannot migrate to {revision!r}: {exc} (a typo in --revision, or a database migrated by "
+                   "a newer Spillway: upgrade Spillway, or restore the backup taken before that upgrade)",
+                   err=True)  # fmt: skip
+        raise typer.Exit(2) from None
+
+
 @controlplane_app.command()
 def downgrade(revision: Annotated[str, typer.Option(help="target revision, e.g. -1 or base")]) -> None:
     """Downgrade the database schema (SPILLWAY_DATABASE_URL) to a revision; each revision undone is said on stderr
     with its duration."""
     from controlplane.db.migrate import downgrade_to
 
-    undone = downgrade_to(_settings().database_url, revision, say=_say_err)
+    with _revision_errors(revision):
+        undone = downgrade_to(_settings().database_url, revision, say=_say_err)
     typer.echo(f"database at {revision} ({undone} revision{'s' if undone != 1 else ''} undone)", err=True)
 
 
@@ -191,10 +209,11 @@ def demo(
     agent_port: Annotated[int, typer.Option(help="edge agent HTTP port")] = 8000,
     dashboard_port: Annotated[int, typer.Option(help="web dashboard port (0: no dashboard)")] = 8501,
     data_dir: Annotated[str, typer.Option(help="where the demo keeps its database")] = ".spillway-demo",
-    once: Annotated[bool, typer.Option(help="seed, print, and stop instead of serving until Ctrl-C")] = False,
+    once: Annotated[bool, typer.Option(help="play the story, then stop instead of serving until Ctrl-C")] = False,
 ) -> None:
-    """Start a control plane, an edge agent and the dashboard, seed the example fleet, and run the story: a burst,
-    its telemetry and SLOs, and a load ramp that makes a degradation rule fire and recover."""
+    """Start a control plane, edge agents and the dashboard, seed the example fleet, and run the story: a burst, its
+    telemetry and SLOs, a load ramp that makes a degradation rule fire and recover, overflow to a cloud backend
+    (killed and brought back), and streaming generative traffic under a TTFT SLO."""
     from spillway.demo.run import run_demo
 
     raise typer.Exit(run_demo(port=port, agent_port=agent_port, data_dir=data_dir, once=once,
@@ -357,7 +376,7 @@ def agent_burst(
 
 # What each extra brings: a command that needs one on an install without it says which to install.
 _EXTRAS = {"fastapi": "controlplane", "sqlalchemy": "controlplane", "alembic": "controlplane",
-           "prometheus_client": "controlplane", "streamlit": "dashboard", "pandas": "dashboard",
+           "prometheus_client": "controlplane", "psycopg": "postgres", "streamlit": "dashboard", "pandas": "dashboard",
            "altair": "dashboard"}  # fmt: skip
 
 

@@ -45,3 +45,20 @@ def test_the_migrate_command_prints_a_line_per_revision_on_stderr(tmp_path: Path
     ]
     assert re.fullmatch(rf"database at head \({len(names)} revisions applied in \d+\.\d s\)", lines[-1]), lines
     assert result.stdout == ""
+
+
+def test_an_unknown_revision_or_a_newer_database_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 'newer.db'}"
+    env = {"SPILLWAY_DATABASE_URL": url}
+    typo = CliRunner().invoke(app, ["controlplane", "migrate", "--revision", "0042"], env=env)
+    assert typo.exit_code == 2 and typo.stderr.startswith("error: cannot migrate to '0042'"), typo.output
+    assert CliRunner().invoke(app, ["controlplane", "migrate"], env=env).exit_code == 0
+    with sqlite3.connect(tmp_path / "newer.db") as conn:  # as a newer Spillway would have left it
+        conn.execute("UPDATE alembic_version SET version_num = '0999'")
+    for command in (["migrate"], ["downgrade", "--revision", "-1"]):
+        result = CliRunner().invoke(app, ["controlplane", *command], env=env)
+        assert result.exit_code == 2, result.output
+        assert "'0999'" in result.stderr and "newer Spillway" in result.stderr and "Traceback" not in result.output
+        assert len(result.stderr.splitlines()) == 1
