@@ -149,11 +149,9 @@ def test_a_decoder_config_with_tensors_or_a_version_without_genai_config_is_refu
     assert list(generative_models(yaml_root)) == ["chat"]
 
 
-def test_the_readmes_decoder_config_loads_and_every_generation_setting_is_documented(
-    tmp_path: Path, built: Path
-) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    found_block = re.search(r'```\n( *platform: "onnxruntime_decoder"\n.*?)```', readme, re.DOTALL)
+def test_the_docs_decoder_config_loads_and_every_generation_setting_is_documented(tmp_path: Path, built: Path) -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "agent" / "generative.md").read_text()
+    found_block = re.search(r'```pbtxt\n( *platform: "onnxruntime_decoder"\n.*?)```', page, re.DOTALL)
     assert found_block is not None
     snippet = textwrap.dedent(found_block.group(1))
     (found,) = generative_models(_repository(tmp_path, built, snippet)).values()
@@ -162,7 +160,7 @@ def test_the_readmes_decoder_config_loads_and_every_generation_setting_is_docume
         assert pool.instances[0].scheduler.deadline_for(1, 0.0, None) == pytest.approx(0.5)
     finally:
         pool.close()
-    missing = [key for key in GenerationSettings.model_fields if f"`{key}`" not in readme]
+    missing = [key for key in GenerationSettings.model_fields if f"`{key}`" not in page]
     assert missing == []
 
 
