@@ -284,6 +284,7 @@ def agent_serve(
     from edge_agent.config_errors import AgentConfigError
     from edge_agent.runtime.config import ModelConfigError
     from edge_agent.runtime.gpu import GpuMemoryError
+    from edge_agent.runtime.memory import HostMemoryError
     from edge_agent.runtime.runner import RunnerError
 
     try:
@@ -313,13 +314,16 @@ def agent_serve(
         _import_in_background("edge_agent.serving.grpc_server")
     try:
         registry = build_registry(agent)
-    except (ModelConfigError, RunnerError, GpuMemoryError) as exc:
+    except (ModelConfigError, RunnerError, GpuMemoryError, HostMemoryError) as exc:
         typer.echo(f"error: cannot load the model repository: {exc}", err=True)
         raise typer.Exit(2) from None
     try:
         serve(agent, registry=registry, ports=ports, log_level=log_level)
     except ModelConfigError as exc:  # settings that do not fit the models (overflow defaults, async models)
         typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except (GpuMemoryError, HostMemoryError) as exc:  # a generative model's engines, loaded as the server starts
+        typer.echo(f"error: cannot load the model repository: {exc}", err=True)
         raise typer.Exit(2) from None
 
 

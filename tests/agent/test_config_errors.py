@@ -153,3 +153,32 @@ def test_build_demo_says_what_it_builds(tmp_path: Path) -> None:
                      re.MULTILINE), result.stderr  # fmt: skip
     assert result.stdout == "wrote models (serve it: spillway agent serve --model-repository models)\n"
     assert (tmp_path / "models" / "tiny-lm" / "2" / "model.onnx").is_file()
+
+
+@pytest.mark.parametrize("stage", ["build_registry", "serve"])
+def test_a_memory_refusal_at_start_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    """A model that does not fit (host memory on a CPU or a Jetson, or a decoder's engines loaded as the server
+    starts) stops the agent like any model that cannot load: one line naming why, exit 2, no traceback."""
+    from typer.testing import CliRunner
+
+    import edge_agent.serving.server as server
+    from edge_agent.runtime.memory import HostMemoryError
+    from spillway.cli import app
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise HostMemoryError("mlp v1 needs about 900 MiB plus 256 MiB headroom, but only 512 MiB are available")
+
+    if stage == "serve":
+        monkeypatch.setattr(server, "build_registry", lambda agent: object())
+    monkeypatch.setattr(server, stage, refuse)
+    (tmp_path / "models").mkdir()
+    result = CliRunner().invoke(app, ["agent", "serve", "--model-repository", str(tmp_path / "models"), "--port", "0",
+                                      "--grpc-port", "-1"], env={"SPILLWAY_AGENT_TOKEN": ""})  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[-1] == (
+        "error: cannot load the model repository: mlp v1 needs about 900 MiB plus 256 MiB headroom, but only 512 MiB "
+        "are available"
+    )
+    assert result.exception is None or isinstance(result.exception, SystemExit)
