@@ -246,7 +246,7 @@ def create_row(
     row = kind.table(id=ident or new_ident(), version=1, **values, **extra)
     session.add(row)
     flush(session, kind.label, values["name"])
-    shown = kind.read(row).model_dump(mode="json")
+    shown = kind.read(row).model_dump(mode="json", by_alias=True)
     record_event(
         session, kind=f"{kind.singular}.created", actor=actor, subject_type=kind.singular, subject_id=row.id,
         data={"name": values["name"], "spec": shown}, **_event_links(kind, row),

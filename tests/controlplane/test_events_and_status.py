@@ -25,6 +25,8 @@ def test_events_filter_by_agent_rule_kind_and_time(api: Api) -> None:
     }
     by_rule = api.call("GET", "/api/v1/events", params={"rule": rule["id"]}).json()["items"]
     assert [e["kind"] for e in by_rule] == ["rule.created"]
+    assert by_rule[0]["data"]["spec"]["hysteresis"] == rule["hysteresis"]  # the API's names ("for"), as the rule reads
+    assert "for" in rule["hysteresis"]
     assert api.call("GET", "/api/v1/events", params={"kind": "slo.created"}).json()["items"][0]["subject_type"] == "slo"
 
     now = datetime.now(timezone.utc)
