@@ -205,7 +205,8 @@ class InferenceApp:
         parts = path.strip("/").split("/")
         if parts == ["v2"]:
             body = {"name": "spillway-edge-agent", "version": __version__,
-                    "extensions": ["binary_tensor_data", "statistics", "parameters"]}  # fmt: skip
+                    "extensions": ["binary_tensor_data", "statistics", "parameters", "model_repository",
+                                    "model_configuration"]}  # fmt: skip
             await _respond_json(send, 200, body)
         elif parts == ["v2", "health", "live"]:
             await _respond_json(send, 200, {"live": True})

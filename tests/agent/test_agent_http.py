@@ -35,7 +35,13 @@ def infer_json(x: np.ndarray, **parameters: object) -> dict:
 
 def test_server_and_model_metadata_health_and_stats(agent: RunningAgent) -> None:
     with httpx.Client(base_url=agent.url) as c:
-        assert c.get("/v2").json()["extensions"] == ["binary_tensor_data", "statistics", "parameters"]
+        assert c.get("/v2").json()["extensions"] == [
+            "binary_tensor_data",
+            "statistics",
+            "parameters",
+            "model_repository",
+            "model_configuration",
+        ]
         assert c.get("/v2/health/live").status_code == 200
         assert c.get("/v2/health/ready").json() == {"ready": True}
         meta = c.get("/v2/models/mlp").json()
