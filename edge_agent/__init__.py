@@ -1,5 +1,5 @@
 """Spillway edge agent: serves models on the device, within its SLOs."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["__version__"]

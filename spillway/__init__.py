@@ -6,6 +6,6 @@ that the edge agent and the control plane both import), `spillway.cli` (the one 
 tests and the benchmarks share). The services are `edge_agent` (installs alone), `controlplane` and `dashboards`.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["__version__"]
