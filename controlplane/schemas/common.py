@@ -100,6 +100,16 @@ Labels = Annotated[
     dict[str, str],
     BeforeValidator(parse_labels),
     Field(max_length=64, description="key=value labels, as an object or as 'key=value,key2=value2'."),
+    # The schema says both forms the validator takes (pydantic's would say the object only), at most 64 labels.
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": 64},
+                {"type": "string"},
+            ],
+            "description": "key=value labels, as an object or as 'key=value,key2=value2' (at most 64).",
+        }
+    ),
 ]
 
 
