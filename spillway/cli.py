@@ -83,6 +83,7 @@ def serve(
     from spillway.workers import reuseport_socket, supervise, worker_index
 
     settings = _settings(host=host, port=port, migrate_on_start=migrate, workers=workers)
+    _database_driver(settings.database_url)
     index = worker_index()
     if settings.workers > 1 and index is None:  # the parent: start the workers, each serving the port itself
         os.environ.update({"SPILLWAY_HOST": settings.host, "SPILLWAY_PORT": str(settings.port),
@@ -107,6 +108,16 @@ def serve(
         GracefulServer(config).run()
     else:  # one of several workers: its own listening socket on the shared port
         GracefulServer(config).run(sockets=[reuseport_socket(settings.host, settings.port)])
+
+
+def _database_driver(url: str) -> None:
+    """Import the URL's driver now: a missing psycopg is then main()'s one line naming the extra, not a traceback in
+    the server's startup."""
+    from sqlalchemy.engine import make_url
+
+    from controlplane.db import normalise_url
+
+    make_url(normalise_url(url)).get_dialect().import_dbapi()
 
 
 def _log_config() -> dict[str, Any]:

@@ -62,3 +62,17 @@ def test_an_unknown_revision_or_a_newer_database_is_one_line_and_exit_2(tmp_path
         assert result.exit_code == 2, result.output
         assert "'0999'" in result.stderr and "newer Spillway" in result.stderr and "Traceback" not in result.output
         assert len(result.stderr.splitlines()) == 1
+
+
+def test_a_postgresql_url_without_psycopg_names_the_extra(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = "import sys; sys.modules['psycopg'] = None; from spillway.cli import main; main()"
+    for command in (["migrate"], ["serve"]):
+        result = subprocess.run([sys.executable, "-c", script, "controlplane", *command], cwd=tmp_path,
+                                env={"SPILLWAY_DATABASE_URL": "postgresql://x@127.0.0.1:9/db", "PATH": "/usr/bin"},
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        extra = "pip install 'spillway[postgres]'"
+        assert result.stderr == f"error: this command needs psycopg, which this install lacks: {extra}\n"
