@@ -65,7 +65,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -79,8 +78,17 @@ sys.path.insert(0, str(ROOT))
 
 from bench import common  # noqa: E402
 from bench.common import DOCS, VENV_BIN, bearer, free_port, http_json, log, median, percentile  # noqa: E402
-from bench.ingest import Database, Export, rejected_points, spillway  # noqa: E402
+from bench.ingest import (  # noqa: E402
+    Database,
+    Export,
+    collect_export,
+    database,
+    rejected_points,
+    spillway,
+    stored_totals,
+)
 from bench.lb import balancer  # noqa: E402
+from bench.load import _Connection  # noqa: E402
 from bench.procstat import cpu_seconds, loadavg, machine_busy_seconds, vm_hwm  # noqa: E402
 from spillway.contract import names  # noqa: E402
 from spillway.demo.harness import Process  # noqa: E402
@@ -212,7 +220,6 @@ def make_template(seed: int, count: int, export_interval_s: float) -> list[Expor
     """`count` successive exports of one simulated agent (id `PLACEHOLDER`), as its periodic reader sends them: an
     `mlp` model fed through `ModelStats` and a generative `tiny-lm` through the GenAI recorder, `export_interval_s`
     of traffic each."""
-    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
     from opentelemetry.metrics import CallbackOptions, Observation
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -268,21 +275,9 @@ def make_template(seed: int, count: int, export_interval_s: float) -> list[Expor
         engine["active"] = rng.randint(0, 8)
         engine["preemptions"] = int(engine["preemptions"]) + (1 if rng.random() < 0.1 else 0)
         engine["kv_blocks"] = {"used": rng.randint(0, 512), "total": 512}
-        data = reader.get_metrics_data()
-        assert data is not None
-        points, requests, durations = 0, 0.0, 0
-        for resource_metrics in data.resource_metrics:
-            for scope in resource_metrics.scope_metrics:
-                for metric in scope.metrics:
-                    data_points: list[Any] = list(metric.data.data_points)
-                    points += len(data_points)
-                    if metric.name == "spillway.requests":
-                        requests += sum(dp.value for dp in data_points)
-                    elif metric.name == "spillway.request.duration":
-                        durations += sum(dp.count for dp in data_points)
-        body = encode_metrics(data).SerializeToString()
-        assert body.count(PLACEHOLDER) == 1, "the placeholder id must occur once, in service.instance.id"
-        exports.append(Export(body, points, requests, durations))
+        export = collect_export(reader)
+        assert export.body.count(PLACEHOLDER) == 1, "the placeholder id must occur once, in service.instance.id"
+        exports.append(export)
     telemetry.shutdown()
     return exports
 
@@ -296,60 +291,18 @@ def make_templates(count: int, exports: int, export_interval_s: float) -> list[l
 # ---- the fleet's load (in shard processes) --------------------------------------------------------
 
 
-class _Http(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection, one request at a time; answers (status, body, etag)."""
+class _Http(_Connection):
+    """One keep-alive HTTP/1.1 connection, one request at a time; answers (status, body, etag), and closes when the
+    server says `Connection: close`."""
 
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
-        self.waiter: asyncio.Future[tuple[int, bytes, str]] | None = None
-        self.closed = False
+    keep_body = True
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        end = self.buffer.find(b"\r\n\r\n")
-        if end < 0 or self.waiter is None:
-            return
-        head = bytes(self.buffer[:end]).lower()
-        status = int(head[9:12])
+    def result(self, head: bytes) -> tuple[int, bytes, str]:
         headers = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
-        if b"content-length" in headers:
-            length = int(headers[b"content-length"])
-        elif status in (204, 304) or status < 200:
-            length = 0
-        else:
-            self._fail(ConnectionError(f"an answer {status} without a Content-Length"))
-            return
-        if len(self.buffer) < end + 4 + length:
-            return
-        body = bytes(self.buffer[end + 4 : end + 4 + length])
-        del self.buffer[: end + 4 + length]
-        etag = headers.get(b"etag", b"").strip().decode()
-        waiter, self.waiter = self.waiter, None
-        if not waiter.done():
-            waiter.set_result((status, body, etag))
         if headers.get(b"connection", b"").strip() == b"close" and self.transport is not None:
             self.closed = True
             self.transport.close()
-
-    def _fail(self, exc: Exception) -> None:
-        self.closed = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(exc)
-        if self.transport is not None:
-            self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(ConnectionError("connection closed"))
-
-    def request(self, payload: bytes) -> asyncio.Future[tuple[int, bytes, str]]:
-        assert self.transport is not None
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(payload)
-        return self.waiter
+        return int(head[9:12]), self.body, headers.get(b"etag", b"").strip().decode()
 
 
 class _Link:
@@ -367,7 +320,7 @@ class _Link:
             if self.conn is None or self.conn.closed:
                 _, self.conn = await asyncio.get_running_loop().create_connection(_Http, self.host, self.port)
             try:
-                return await asyncio.wait_for(self.conn.request(payload), TIMEOUT_S)
+                return await asyncio.wait_for(self.conn.send(payload), TIMEOUT_S)
             except ConnectionError:  # closed while idle, as we sent: nothing was read; once more on a new one
                 self.conn = None
                 if attempt:
@@ -562,32 +515,6 @@ async def _shard(spec: ShardSpec) -> dict[str, Any]:
 # ---- the system under test ------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def database(options: Options, work: Path) -> Iterator[Database]:
-    if options.store == "sqlite":
-        name = f"fleet-{uuid.uuid4().hex[:10]}"
-        yield Database("sqlite", f"sqlite:///{work / name}.db", name=name)
-        return
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    from controlplane.db import normalise_url
-
-    assert options.postgres_url is not None
-    admin_url = normalise_url(options.postgres_url)
-    name = f"spillway_fleet_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        url = make_url(options.postgres_url).set(database=name).render_as_string(hide_password=False)
-        yield Database("postgres", url, admin_url, name)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
 @dataclass
 class Replica:
     index: int
@@ -705,7 +632,7 @@ def start_system(options: Options, agents: int, work: Path) -> Iterator[System]:
         cloud_start = starter.submit(start_cloud, work) if options.cloud else None
         if cloud_start is not None:
             stack.callback(_stop_started, cloud_start)
-        db = stack.enter_context(database(options, work))
+        db = stack.enter_context(database(options.store, options.postgres_url, work, prefix="fleet"))
         env = {
             **os.environ,
             "SPILLWAY_DATABASE_URL": db.url,
@@ -1010,22 +937,7 @@ def check_rollups(db: Database, agents: list[tuple[str, str]], candidates: list[
     it sent whose answer never came (applied, but the connection failed or the client gave up): nothing lost of what
     was acknowledged, nothing counted twice. `candidates[i]`: agent i's exports from its last acknowledged (or an
     empty one if none was) to its last sent."""
-    from sqlalchemy import func, select
-
-    from controlplane.db import MetricRollup, make_engine, make_sessionmaker
-
-    engine = make_engine(db.url)
-    try:
-        with make_sessionmaker(engine)() as session:
-            rows = session.execute(
-                select(MetricRollup.agent_id, MetricRollup.metric, func.sum(MetricRollup.total),
-                       func.sum(MetricRollup.count))
-                .where(MetricRollup.metric.in_(["spillway.requests", "spillway.request.duration"]))
-                .group_by(MetricRollup.agent_id, MetricRollup.metric)
-            ).all()  # fmt: skip
-    finally:
-        engine.dispose()
-    stored = {(agent, metric): (float(total or 0), int(count or 0)) for agent, metric, total, count in rows}
+    stored = stored_totals(db.url)
     wrong, later = [], 0
     for (agent_id, _), exports in zip(agents, candidates, strict=True):
         requests = stored.get((agent_id, "spillway.requests"), (0.0, 0))[0]

@@ -26,7 +26,6 @@ import importlib.metadata
 import os
 import platform
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -397,32 +396,25 @@ def run(args: argparse.Namespace, command: str) -> str:
     started, load_before = dt.datetime.now(dt.timezone.utc), loadavg()
     workdir = Path(tempfile.mkdtemp(prefix="spillway-bench-gateway-"))
     procs = Processes(workdir)
-    with Database(args.postgres_url) as db:
-        try:
-            system = start_system(procs, workdir, db.url, args.workers)
-            with reverse_proxy("127.0.0.1", url_parts(system.cloud)[1], workdir) as (nginx, nginx_pid):
-                system.nginx, system.nginx_pid = nginx, nginx_pid
-                wait_backends(system)
-                wait_quiet(min(60.0, args.wait_quiet_s))
-                log("direct, nginx and the gateways in interleaved rounds")
-                data = rounds(system, args, workdir)
-                profiles = {}
-                if args.profile_s:
-                    for plane in system.planes:
-                        log(f"py-spy on {plane.name}: {args.profile_s} s at concurrency {args.concurrency}")
-                        profiles[plane.name] = profile(system, plane, args, workdir)
-                rss = {"cloud": vm_hwm(system.procs.procs["cloud"].pid), "nginx": vm_hwm(nginx_pid)}
+    with Database(args.postgres_url) as db, procs.session():
+        system = start_system(procs, workdir, db.url, args.workers)
+        with reverse_proxy("127.0.0.1", url_parts(system.cloud)[1], workdir) as (nginx, nginx_pid):
+            system.nginx, system.nginx_pid = nginx, nginx_pid
+            wait_backends(system)
+            wait_quiet(min(60.0, args.wait_quiet_s))
+            log("direct, nginx and the gateways in interleaved rounds")
+            data = rounds(system, args, workdir)
+            profiles = {}
+            if args.profile_s:
                 for plane in system.planes:
-                    rss[f"{plane.name} (each worker)" if plane.workers > 1 else plane.name] = max(
-                        vm_hwm(pid) for pid in plane.pids()
-                    )
-            markdown = report(Results(command, started, load_before, quiet, system, args, data, profiles, rss))
-        except BaseException:
-            procs.stop_all()
-            log(f"stopped; the processes' logs are in {workdir}")
-            raise
-        procs.stop_all()
-    shutil.rmtree(workdir, ignore_errors=True)
+                    log(f"py-spy on {plane.name}: {args.profile_s} s at concurrency {args.concurrency}")
+                    profiles[plane.name] = profile(system, plane, args, workdir)
+            rss = {"cloud": vm_hwm(system.procs.procs["cloud"].pid), "nginx": vm_hwm(nginx_pid)}
+            for plane in system.planes:
+                rss[f"{plane.name} (each worker)" if plane.workers > 1 else plane.name] = max(
+                    vm_hwm(pid) for pid in plane.pids()
+                )
+        markdown = report(Results(command, started, load_before, quiet, system, args, data, profiles, rss))
     return markdown
 
 

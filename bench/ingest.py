@@ -244,9 +244,11 @@ class Database:
 
 
 @contextlib.contextmanager
-def database(backend: str, settings: Settings, work: Path) -> Iterator[Database]:
+def database(backend: str, postgres_url: str | None, work: Path, prefix: str = "bench") -> Iterator[Database]:
+    """A throwaway database for one run: a SQLite file in `work`, or a PostgreSQL database made on `postgres_url`'s
+    server and dropped afterwards (named `spillway_<prefix>_...`)."""
     if backend == "sqlite":
-        name = f"spillway-{uuid.uuid4().hex[:10]}"
+        name = f"spillway-{prefix}-{uuid.uuid4().hex[:10]}"
         yield Database("sqlite", f"sqlite:///{work / name}.db", name=name)
         return
     from sqlalchemy import create_engine, text
@@ -254,14 +256,14 @@ def database(backend: str, settings: Settings, work: Path) -> Iterator[Database]
 
     from controlplane.db import normalise_url
 
-    assert settings.postgres_url is not None
-    admin_url = normalise_url(settings.postgres_url)
-    name = f"spillway_bench_{uuid.uuid4().hex[:10]}"
+    assert postgres_url is not None
+    admin_url = normalise_url(postgres_url)
+    name = f"spillway_{prefix}_{uuid.uuid4().hex[:10]}"
     admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     try:
-        url = make_url(settings.postgres_url).set(database=name).render_as_string(hide_password=False)
+        url = make_url(postgres_url).set(database=name).render_as_string(hide_password=False)
         yield Database("postgres", url, admin_url, name)
     finally:
         with admin.connect() as conn:
@@ -407,7 +409,6 @@ def _all_cores() -> None:
 
 def make_exports(agent_id: str, seed: int, count: int) -> list[Export]:
     """`count` successive exports of one simulated agent, as its periodic reader would send them."""
-    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
     from opentelemetry.metrics import CallbackOptions, Observation
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -447,21 +448,29 @@ def make_exports(agent_id: str, seed: int, count: int) -> list[Export]:
                 stats.outcome(p, "error")
             depths[p] = rng.randint(0, 40)
         stats.batch(rng.randint(1, 32), 0.01, True)
-        data = reader.get_metrics_data()
-        assert data is not None
-        points, requests, durations = 0, 0.0, 0
-        for resource_metrics in data.resource_metrics:
-            for scope in resource_metrics.scope_metrics:
-                for metric in scope.metrics:
-                    data_points: list[Any] = list(metric.data.data_points)
-                    points += len(data_points)
-                    if metric.name == "spillway.requests":
-                        requests += sum(dp.value for dp in data_points)
-                    elif metric.name == "spillway.request.duration":
-                        durations += sum(dp.count for dp in data_points)
-        exports.append(Export(encode_metrics(data).SerializeToString(), points, requests, durations))
+        exports.append(collect_export(reader))
     telemetry.shutdown()
     return exports
+
+
+def collect_export(reader: Any) -> Export:
+    """What an SDK reader holds now, encoded as the OTLP exporter does, with the points, requests and durations it
+    carries (the totals the rollups must end with)."""
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+
+    data = reader.get_metrics_data()
+    assert data is not None
+    points, requests, durations = 0, 0.0, 0
+    for resource_metrics in data.resource_metrics:
+        for scope in resource_metrics.scope_metrics:
+            for metric in scope.metrics:
+                data_points: list[Any] = list(metric.data.data_points)
+                points += len(data_points)
+                if metric.name == "spillway.requests":
+                    requests += sum(dp.value for dp in data_points)
+                elif metric.name == "spillway.request.duration":
+                    durations += sum(dp.count for dp in data_points)
+    return Export(encode_metrics(data).SerializeToString(), points, requests, durations)
 
 
 def make_all_exports(agents: list[tuple[str, str]], per_agent: int, workers: int) -> list[list[Export]]:
@@ -710,13 +719,14 @@ class IngestResult:
         return f"{self.backend}, ack {self.ack}{workers}, {self.tree}"
 
 
-def check_rollups(plane: ControlPlane, exports: list[list[Export]], last_ok: list[int]) -> tuple[bool, str]:
-    """Per agent, the rollups hold exactly what its last acknowledged export says happened: no loss, no double."""
+def stored_totals(url: str) -> dict[tuple[str, str], tuple[float, int]]:
+    """Per (agent, metric), the sum of the rollups' totals and counts of `spillway.requests` and
+    `spillway.request.duration`: what the exports' `requests` and `durations` must add up to."""
     from sqlalchemy import func, select
 
     from controlplane.db import MetricRollup, make_engine, make_sessionmaker
 
-    engine = make_engine(plane.db.url)
+    engine = make_engine(url)
     try:
         with make_sessionmaker(engine)() as session:
             rows = session.execute(
@@ -727,7 +737,12 @@ def check_rollups(plane: ControlPlane, exports: list[list[Export]], last_ok: lis
             ).all()  # fmt: skip
     finally:
         engine.dispose()
-    stored = {(agent, metric): (float(total or 0), int(count or 0)) for agent, metric, total, count in rows}
+    return {(agent, metric): (float(total or 0), int(count or 0)) for agent, metric, total, count in rows}
+
+
+def check_rollups(plane: ControlPlane, exports: list[list[Export]], last_ok: list[int]) -> tuple[bool, str]:
+    """Per agent, the rollups hold exactly what its last acknowledged export says happened: no loss, no double."""
+    stored = stored_totals(plane.db.url)
     wrong = []
     for (agent_id, _), agent_exports, k in zip(plane.agents, exports, last_ok, strict=True):
         expected = agent_exports[k] if k >= 0 else Export(b"", 0, 0.0, 0)
@@ -1024,7 +1039,7 @@ def main(argv: list[str] | None = None) -> int:
                 for tree in trees if round_ % 2 == 0 else trees[::-1]:  # A B, then B A
                     for ack in settings.acks if round_ % 2 == 0 else settings.acks[::-1]:
                         with (
-                            database(backend, settings, work) as db,
+                            database(backend, settings.postgres_url, work) as db,
                             control_plane(db, tree, settings, work, ack, workers) as plane,
                         ):
                             plane.enrol(settings.agents)

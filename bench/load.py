@@ -48,11 +48,14 @@ def _event_loop_policy() -> None:
 class _Connection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection carrying one request at a time."""
 
+    keep_body = False  # a subclass whose `result` reads the body (in `self.body`) says so; the load needs none
+
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
-        self.waiter: asyncio.Future[int] | None = None
+        self.waiter: asyncio.Future[Any] | None = None
         self.closed = False
+        self.body = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
@@ -99,10 +102,12 @@ class _Connection(asyncio.Protocol):
             total = end + 4  # no body (e.g. 204)
         if len(self.buffer) < total:
             return None
+        if self.keep_body:
+            self.body = bytes(self.buffer[end + 4 : total])
         del self.buffer[:total]
         return head
 
-    def send(self, payload: bytes) -> asyncio.Future[int]:
+    def send(self, payload: bytes) -> asyncio.Future[Any]:
         assert self.transport is not None
         self.waiter = asyncio.get_running_loop().create_future()
         self.transport.write(payload)

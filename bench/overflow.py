@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,18 @@ class Processes:
 
     def stop_all(self) -> None:
         stop_all(reversed(list(self.procs.values())))
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Stop every process at the end; on success delete the work folder, on failure keep it (the logs)."""
+        try:
+            yield
+        except BaseException:
+            self.stop_all()
+            log(f"stopped; the processes' logs are in {self.workdir}")
+            raise
+        self.stop_all()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _terminate_on_sigterm() -> None:
@@ -251,8 +264,6 @@ def binary_body() -> tuple[bytes, int]:
 class _Exchange(_Connection):
     """One keep-alive HTTP/1.1 connection, one request at a time; answers (status, spillway-outcome)."""
 
-    waiter: asyncio.Future[tuple[int, str]] | None  # type: ignore[assignment]
-
     def result(self, head: bytes) -> tuple[int, str]:
         marker = head.find(b"\r\nspillway-outcome:")
         outcome = ""
@@ -260,12 +271,6 @@ class _Exchange(_Connection):
             stop = head.find(b"\r\n", marker + 2)
             outcome = head[marker + 19 : stop if stop >= 0 else len(head)].strip().decode()
         return int(head[9:12]), outcome
-
-    def send(self, payload: bytes) -> asyncio.Future[tuple[int, str]]:  # type: ignore[override]
-        assert self.transport is not None
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(payload)
-        return self.waiter
 
 
 class _Template:
@@ -959,7 +964,7 @@ def run(args: argparse.Namespace, command: str) -> str:
     started, load_before = dt.datetime.now(dt.timezone.utc), loadavg()
     workdir = Path(tempfile.mkdtemp(prefix="spillway-bench-overflow-"))
     procs = Processes(workdir)
-    try:
+    with procs.session():
         system = start_system(procs, workdir, args)
         res = Results(command, started, load_before, system, args, quiet=quiet)
         with reverse_proxy("127.0.0.1", url_parts(system.cloud)[1], workdir) as (nginx, nginx_pid):
@@ -972,12 +977,6 @@ def run(args: argparse.Namespace, command: str) -> str:
             set_backend_cap(system, args.backend_concurrency)
             res.overload = overload(system, args, workdir)
         markdown = report(res)
-    except BaseException:
-        procs.stop_all()
-        log(f"stopped; the processes' logs are in {workdir}")
-        raise
-    procs.stop_all()
-    shutil.rmtree(workdir, ignore_errors=True)
     return markdown
 
 
